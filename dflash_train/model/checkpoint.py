@@ -1,0 +1,98 @@
+"""Saving and loading drafters.
+
+Saved drafters are always in the speculators format (formats.md §3), so `vllm serve DIR`
+takes any of them as is. Loading accepts speculators and z-lab folders; frozen copies of the
+target's embedding / LM head that speculators stores are accepted and dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from convert import formats
+from convert.formats import speculators
+from convert.weights import DEFAULT_MAX_SHARD_BYTES, atomic_folder, read_tensors, write_json, write_tensors
+from dflash_train.errors import CheckpointError
+from dflash_train.model.config import DFlashConfig
+from dflash_train.model.modeling_dflash import DFlashDraftModel
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `cfg` must hold, with its shape."""
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def dropped_tensor(name: str) -> bool:
+    """Tensors other writers add that we accept and drop (frozen target copies)."""
+    return name in ("embed_tokens.weight", "mask_hidden") or name.startswith("verifier_") or (
+        name == "lm_head.weight")
+
+
+def clean_state_dict(tensors: dict[str, torch.Tensor], cfg: DFlashConfig, where: str) -> dict[str, torch.Tensor]:
+    """Check tensors against `cfg`: drop accepted extras, fail on unknown/missing/mis-shaped."""
+    expected = expected_shapes(cfg)
+    out = {}
+    for name, t in tensors.items():
+        key = name[len("model."):] if name.startswith("model.") and name[len("model."):] in expected else name
+        if key in expected:
+            out[key] = t
+        elif dropped_tensor(key):
+            continue
+        else:
+            raise CheckpointError(f"{where}: unknown tensor `{name}`; a DFlash drafter holds only "
+                                  "fc, hidden_norm, layers.*, norm (and lm_head/d2t/t2d when the vocab is reduced)")
+    missing = sorted(set(expected) - set(out))
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor `{missing[0]}`" +
+                              (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for name, t in out.items():
+        if tuple(t.shape) != expected[name]:
+            raise CheckpointError(f"{where}: tensor `{name}` has shape {list(t.shape)} but the config implies "
+                                  f"{list(expected[name])}")
+    return out
+
+
+def save_drafter(model: DFlashDraftModel, out: str | Path, dtype: str | None = None,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra_files: dict[str, object] | None = None) -> Path:
+    """Write `model` in the speculators format, atomically. Weights in `dtype` (config's by default)."""
+    cfg = model.config
+    if dtype is not None:
+        cfg = cfg.model_copy(update={"dtype": dtype})
+    torch_dtype = DTYPES[cfg.dtype]
+    tensors = {}
+    for name, t in model.state_dict().items():
+        tensors[name] = t if not t.is_floating_point() else t.to(torch_dtype)
+    with atomic_folder(Path(out)) as tmp:
+        write_tensors(tmp, tensors, max_shard_bytes=max_shard_bytes)
+        write_json(tmp / "config.json", speculators.to_config_dict(cfg))
+        for name, data in (extra_files or {}).items():
+            write_json(tmp / name, data)
+    return Path(out)
+
+
+def read_drafter_config(folder: str | Path, mask_token_id: int | None = None) -> DFlashConfig:
+    folder = Path(folder)
+    module = formats.detect_format(folder)
+    raw = formats.read_config_json(folder)
+    if module is formats.zlab:
+        return module.from_config_dict(raw, str(folder / "config.json"), mask_token_id=mask_token_id)
+    return module.from_config_dict(raw, str(folder / "config.json"))
+
+
+def load_drafter(folder: str | Path, target_config=None, dtype: torch.dtype = torch.float32,
+                 mask_token_id: int | None = None) -> DFlashDraftModel:
+    """Load a speculators or z-lab drafter folder; with `target_config`, check it fits the target."""
+    folder = Path(folder)
+    cfg = read_drafter_config(folder, mask_token_id=mask_token_id)
+    if target_config is not None:
+        cfg.check_against_target(target_config, where=str(folder / "config.json"))
+    state = clean_state_dict(read_tensors(folder), cfg, str(folder))
+    model = DFlashDraftModel(cfg)
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype)

@@ -1,0 +1,35 @@
+"""New drafters shaped for a target."""
+
+from __future__ import annotations
+
+from dflash_train.features.mask_token import check_mask_token_id, default_mask_token_id
+from dflash_train.features.target import DEFAULT_TARGET_NAME, load_tokenizer, resolve_target
+from dflash_train.model.config import DFlashConfig
+from dflash_train.model.modeling_dflash import DFlashDraftModel
+
+
+def drafter_config_for_target(target: str | None, *, num_layers: int = 1, block_size: int = 16,
+                              mask_token_id: int | None = None, num_features: int = 5,
+                              target_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
+                              dtype: str = "bfloat16") -> DFlashConfig:
+    from transformers import AutoConfig
+
+    path = resolve_target(target)
+    target_config = AutoConfig.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
+    rows = target_config.get_text_config().vocab_size
+    if mask_token_id is None:
+        mask_token_id = default_mask_token_id(tokenizer, rows)
+    check_mask_token_id(mask_token_id, tokenizer, rows)
+    # the verifier is named as the user named the target; the embedded default by its hub id
+    verifier = str(target) if target else DEFAULT_TARGET_NAME
+    return DFlashConfig.for_target(target_config, num_hidden_layers=num_layers, block_size=block_size,
+                                   mask_token_id=mask_token_id, target_layer_ids=target_layer_ids,
+                                   num_features=num_features, intermediate_size=intermediate_size,
+                                   verifier_name_or_path=verifier, dtype=dtype)
+
+
+def new_drafter_for_target(target: str | None, seed: int = 0, **kwargs) -> DFlashDraftModel:
+    model = DFlashDraftModel(drafter_config_for_target(target, **kwargs))
+    model.init_weights(seed=seed)
+    return model

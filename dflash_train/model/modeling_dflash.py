@@ -1,0 +1,472 @@
+"""The DFlash drafter, top to bottom: norm, rotary, MLP, attention, layer, model.
+
+A stack of Qwen3-style layers reading the target's hidden states (formats.md §1):
+
+    ctx   = hidden_norm(fc(concat(aux target hidden states)))        # context, never updated
+    h     = target_embed([last verified token, MASK x (B-1)])        # one block at p..p+B-1
+    layer: q from the block (after input_layernorm); keys/values = [proj(ctx) ; proj(block)]
+           (k_norm over both, RoPE at absolute positions); non-causal inside the block
+    logits = lm_head(norm(h))  (the target's LM head, or a reduced-vocab head + d2t)
+
+Slot k of a block predicts the token at its own position p + k.
+
+Two entry points share every weight and every formula:
+- `forward_block`: inference, one block per sequence, with a context K/V cache that grows as
+  tokens are accepted (`append_context`) and is cropped on rejection (`DFlashCache.crop`).
+- `forward_train`: many blocks per packed sequence at given anchors under the training mask
+  (a block sees context strictly before its anchor in its own document, itself fully, and no
+  other block). `attention` picks the kernel: "split" (exact context x block split, no dense
+  mask; the CPU default), "dense" (the naive dense-mask reference), "flex" (flex attention
+  block masks; GPU).
+Attribute names are the checkpoint tensor names, so state_dict() is the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.model.config import DFlashConfig
+
+
+class DFlashRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DFlashRotary(nn.Module):
+    """RoPE tables computed for arbitrary absolute positions."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        rope = config.rope
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            dim = config.head_dim
+            inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            scaling = 1.0
+        else:  # llama3, yarn, ...: let transformers compute the frequencies
+            from transformers import Qwen3Config
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            hf = Qwen3Config(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                             head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+                             rope_parameters=dict(rope))
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, n, d]; cos/sin [..., n, d] broadcast over heads."""
+    return x * cos.unsqueeze(-3) + rotate_half(x) * sin.unsqueeze(-3)
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {config.hidden_act!r}: DFlash drafters use silu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class TrainLayout:
+    """Where the blocks of a packed sequence sit, shared by every layer of one forward.
+
+    anchors[n]      index into the packed context of block n's first token
+    doc_start[n]    index of the first token of block n's document
+    ctx_positions   [T] absolute (in-document) position of each context token
+    block_positions [N, B] absolute positions of each block slot
+    """
+
+    anchors: torch.Tensor
+    doc_start: torch.Tensor
+    ctx_positions: torch.Tensor
+    block_positions: torch.Tensor
+    cache: dict = field(default_factory=dict)
+
+    def context_allowed(self, window: int | None) -> torch.Tensor:
+        """[N, 1, B, T] bool: block n slot k may attend to context token t."""
+        key = ("ctx", window)
+        if key not in self.cache:
+            t = torch.arange(self.ctx_positions.numel(), device=self.anchors.device)
+            allowed = (t[None, :] >= self.doc_start[:, None]) & (t[None, :] < self.anchors[:, None])
+            allowed = allowed[:, None, :].expand(-1, self.block_positions.shape[1], -1)
+            if window is not None:
+                dist = self.block_positions[:, :, None] - self.ctx_positions[None, None, :]
+                allowed = allowed & (dist < window)
+            self.cache[key] = allowed[:, None]
+        return self.cache[key]
+
+    def block_allowed(self, window: int | None) -> torch.Tensor | None:
+        """[B, B] bool, or None for full bidirectional attention inside the block."""
+        if window is None:
+            return None
+        b = self.block_positions.shape[1]
+        return torch.ones(b, b, dtype=torch.bool, device=self.anchors.device).tril()
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.window = config.sliding_window if config.layer_type(layer_idx) == "sliding_attention" else None
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    # projections -----------------------------------------------------------------------------
+    def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """[..., n, heads*d] -> [..., heads, n, d]"""
+        return x.unflatten(-1, (n_heads, self.head_dim)).transpose(-2, -3)
+
+    def project_queries(self, h, cos, sin):
+        return apply_rope(self.q_norm(self._heads(self.q_proj(h), self.num_heads)), cos, sin)
+
+    def project_kv(self, x, cos, sin):
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        return k, v
+
+    def _expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.num_heads // self.num_kv_heads
+        return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(o.transpose(-2, -3).flatten(-2))
+
+    # inference: one block per sequence against cached context K/V -----------------------------
+    def forward_block(self, h, cos, sin, ctx_k, ctx_v, ctx_positions, block_positions):
+        """h [b, B, H]; ctx_k/v [b, Hkv, P, d] (already normed and rotated)."""
+        q = self.project_queries(h, cos, sin)
+        k_blk, v_blk = self.project_kv(h, cos, sin)
+        k = self._expand_kv(torch.cat([ctx_k, k_blk], dim=-2))
+        v = self._expand_kv(torch.cat([ctx_v, v_blk], dim=-2))
+        mask = None
+        if self.window is not None:
+            b_len = h.shape[-2]
+            ctx_ok = (block_positions[:, :, None] - ctx_positions[:, None, :]) < self.window
+            blk_ok = torch.ones(b_len, b_len, dtype=torch.bool, device=h.device).tril()
+            mask = torch.cat([ctx_ok, blk_ok.expand(h.shape[0], -1, -1)], dim=-1)[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return self._out(o)
+
+    # training: many blocks over a packed context ----------------------------------------------
+    def forward_train(self, h, cos, sin, ctx_k, ctx_v, layout: TrainLayout, attention: str):
+        """h [N, B, H]; ctx_k/v [Hkv, T, d]. Returns [N, B, H]."""
+        q = self.project_queries(h, cos, sin)  # [N, Hq, B, d]
+        k_blk, v_blk = self.project_kv(h, cos, sin)  # [N, Hkv, B, d]
+        ctx_k, ctx_v = self._expand_kv(ctx_k), self._expand_kv(ctx_v)
+        k_blk, v_blk = self._expand_kv(k_blk), self._expand_kv(v_blk)
+        if attention == "split":
+            o = self._split_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)
+        elif attention == "dense":
+            o = self._dense_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)
+        elif attention == "flex":
+            o = self._flex_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)
+        else:
+            raise ValueError(f"attention {attention!r}: choose split, dense or flex")
+        return self._out(o)
+
+    def _split_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout):
+        """Exact attention without the dense mask: one softmax over [own context ; own block].
+
+        Scores against the shared context are [N, Hq, B, T] with the anchor cutoff as a mask;
+        scores against the own block are [N, Hq, B, B]. Concatenating the two score tensors
+        and normalising once is the same softmax as the dense reference, never building the
+        [N*B, T + N*B] mask.
+        """
+        s_ctx = torch.einsum("nhbd,htd->nhbt", q, ctx_k) * self.scale
+        s_ctx = s_ctx.masked_fill(~layout.context_allowed(self.window), float("-inf"))
+        s_blk = torch.einsum("nhbd,nhcd->nhbc", q, k_blk) * self.scale
+        blk_ok = layout.block_allowed(self.window)
+        if blk_ok is not None:
+            s_blk = s_blk.masked_fill(~blk_ok, float("-inf"))
+        t = s_ctx.shape[-1]
+        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(q.dtype)
+        return torch.einsum("nhbt,htd->nhbd", p[..., :t], ctx_v) + torch.einsum("nhbc,nhcd->nhbd", p[..., t:], v_blk)
+
+    def _dense_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout):
+        """The naive reference: all blocks as one query set, keys [context ; all blocks]."""
+        n, h, b, d = q.shape
+        t = ctx_k.shape[-2]
+        qq = q.transpose(0, 1).reshape(h, n * b, d)
+        kk = torch.cat([ctx_k, k_blk.transpose(0, 1).reshape(h, n * b, d)], dim=-2)
+        vv = torch.cat([ctx_v, v_blk.transpose(0, 1).reshape(h, n * b, d)], dim=-2)
+        mask = dense_training_mask(layout, self.window)  # [N*B, T + N*B]
+        assert mask.shape == (n * b, t + n * b)
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=self.scale)
+        return o.reshape(h, n, b, d).transpose(0, 1)
+
+    def _flex_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        n, h, b, d = q.shape
+        t = ctx_k.shape[-2]
+        qq = q.transpose(0, 1).reshape(1, h, n * b, d)
+        kk = torch.cat([ctx_k, k_blk.transpose(0, 1).reshape(h, n * b, d)], dim=-2)[None]
+        vv = torch.cat([ctx_v, v_blk.transpose(0, 1).reshape(h, n * b, d)], dim=-2)[None]
+        anchors, doc_start, window = layout.anchors, layout.doc_start, self.window
+        block_pos, ctx_pos = layout.block_positions.reshape(-1), layout.ctx_positions
+
+        def mask_mod(_b, _h, qi, ki):
+            blk = qi // b
+            is_ctx = ki < t
+            kc = ki.clamp(max=t - 1)
+            ctx_ok = is_ctx & (kc >= doc_start[blk]) & (kc < anchors[blk])
+            kb = (ki - t).clamp(min=0)
+            blk_ok = (~is_ctx) & (kb // b == blk)
+            if window is not None:
+                ctx_ok = ctx_ok & (block_pos[qi] - ctx_pos[kc] < window)
+                blk_ok = blk_ok & (kb % b <= qi % b)
+            return ctx_ok | blk_ok
+
+        key = ("flex", window)
+        if key not in layout.cache:
+            layout.cache[key] = create_block_mask(mask_mod, None, None, n * b, t + n * b, device=q.device.type)
+        o = flex_attention(qq, kk, vv, block_mask=layout.cache[key], scale=self.scale)
+        return o[0].reshape(h, n, b, d).transpose(0, 1)
+
+
+def dense_training_mask(layout: TrainLayout, window: int | None) -> torch.Tensor:
+    """[N*B, T + N*B] bool: the training mask of training.md, written out densely."""
+    n, b = layout.block_positions.shape
+    ctx = layout.context_allowed(window)[:, 0].reshape(n * b, -1)
+    blk_id = torch.arange(n * b, device=ctx.device) // b
+    same = blk_id[:, None] == blk_id[None, :]
+    if window is not None:
+        slot = torch.arange(n * b, device=ctx.device) % b
+        same = same & (slot[None, :] <= slot[:, None])
+    return torch.cat([ctx, same], dim=-1)
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def _mlp_residual(self, h):
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_block(self, h, cos, sin, ctx_k, ctx_v, ctx_positions, block_positions):
+        h = h + self.self_attn.forward_block(self.input_layernorm(h), cos, sin, ctx_k, ctx_v,
+                                             ctx_positions, block_positions)
+        return self._mlp_residual(h)
+
+    def forward_train(self, h, cos, sin, ctx_k, ctx_v, layout, attention):
+        h = h + self.self_attn.forward_train(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, layout, attention)
+        return self._mlp_residual(h)
+
+
+class DFlashCache:
+    """Per-layer context K/V for inference; grows with accepted tokens, cropped on rejection."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None  # [b, P]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[-1]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        old_k, old_v = self.keys[layer], self.values[layer]
+        self.keys[layer] = k if old_k is None else torch.cat([old_k, k], dim=-2)
+        self.values[layer] = v if old_v is None else torch.cat([old_v, v], dim=-2)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` context positions."""
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
+        if self.positions is not None:
+            self.positions = self.positions[..., :length]
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = DFlashRotary(config)
+        if config.reduced_vocab:
+            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        else:
+            self.lm_head = None
+        # borrowed from the target, frozen and never saved: kept off the module tree
+        self._target_embed: torch.Tensor | None = None
+        self._target_lm_head: torch.Tensor | None = None
+
+    # the target's embedding and LM head --------------------------------------------------------
+    def attach_target(self, target_model) -> DFlashDraftModel:
+        """Borrow the target's input embedding and LM head (frozen, not part of state_dict)."""
+        self._target_embed = target_model.get_input_embeddings().weight.detach()
+        self._target_lm_head = target_model.get_output_embeddings().weight.detach()
+        return self
+
+    def attach_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor) -> DFlashDraftModel:
+        self._target_embed, self._target_lm_head = embed.detach(), lm_head.detach()
+        return self
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self._target_embed is None:
+            raise RuntimeError("call attach_target(target_model) before running the drafter")
+        w = self._target_embed
+        return F.embedding(token_ids.to(w.device), w).to(self.fc.weight.dtype)
+
+    def block_ids(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """[..., ] last verified tokens -> [..., B] block ids [x, MASK, ..., MASK]."""
+        b = self.config.block_size
+        ids = torch.full((*first_tokens.shape, b), self.config.mask_token_id, dtype=torch.long,
+                         device=first_tokens.device)
+        ids[..., 0] = first_tokens
+        return ids
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Post-norm hidden -> logits over the draft vocab (target vocab unless reduced)."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self._target_lm_head is None:
+            raise RuntimeError("call attach_target(target_model) before computing logits")
+        return hidden @ self._target_lm_head.to(hidden.dtype).t()
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab token ids -> target ids (identity for full-vocab drafts)."""
+        if self.lm_head is None:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> draft ids, -100 where the id is outside the reduced vocab."""
+        if self.lm_head is None:
+            return target_ids
+        index = torch.cumsum(self.t2d.long(), 0) - 1
+        safe = target_ids.clamp(min=0)
+        return torch.where((target_ids >= 0) & self.t2d[safe], index[safe], torch.full_like(target_ids, -100))
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Concatenated aux target features [..., n*H_t] -> context states [..., H]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    # inference ------------------------------------------------------------------------------
+    def new_cache(self) -> DFlashCache:
+        return DFlashCache(len(self.layers))
+
+    @torch.no_grad()
+    def append_context(self, cache: DFlashCache, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add target features [b, n, n_aux*H_t] at absolute positions [b, n] to the cache."""
+        ctx = self.project_context(features)
+        cos, sin = self.rotary_emb(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            cache.append(i, k, v)
+        cache.positions = positions if cache.positions is None else torch.cat([cache.positions, positions], -1)
+
+    def forward_block(self, block_embeds: torch.Tensor, start_positions: torch.Tensor,
+                      cache: DFlashCache) -> torch.Tensor:
+        """One block per sequence: block_embeds [b, B, H] at positions start..start+B-1.
+
+        Attends to every context position in `cache` (the caller keeps it to positions < start).
+        Returns post-norm hidden states [b, B, H]; `logits()` turns them into logits.
+        """
+        b_len = block_embeds.shape[1]
+        positions = start_positions[:, None] + torch.arange(b_len, device=block_embeds.device)
+        cos, sin = self.rotary_emb(positions, block_embeds.dtype)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_block(h, cos, sin, cache.keys[i], cache.values[i], cache.positions, positions)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def propose(self, first_tokens: torch.Tensor, start_positions: torch.Tensor, cache: DFlashCache):
+        """Greedy proposal: [b] last verified tokens -> [b, B-1] drafted target ids and logits."""
+        hidden = self.forward_block(self.embed(self.block_ids(first_tokens)), start_positions, cache)
+        logits = self.logits(hidden[:, 1:])
+        return self.draft_to_target(logits.argmax(-1)), logits
+
+    # training -------------------------------------------------------------------------------
+    def forward_train(self, features: torch.Tensor, block_embeds: torch.Tensor, layout: TrainLayout,
+                      attention: str = "split") -> torch.Tensor:
+        """Many blocks over one packed sequence.
+
+        features [T, n_aux*H_t] context features of the packed sequence; block_embeds [N, B, H];
+        layout: anchors, documents and positions. Returns post-norm hidden states [N, B, H].
+        """
+        ctx = self.project_context(features)
+        ctx_cos, ctx_sin = self.rotary_emb(layout.ctx_positions, ctx.dtype)
+        cos, sin = self.rotary_emb(layout.block_positions, block_embeds.dtype)
+        h = block_embeds
+        for layer in self.layers:
+            ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
+            h = layer.forward_train(h, cos, sin, ctx_k, ctx_v, layout, attention)
+        return self.norm(h)
+
+    # initialisation -------------------------------------------------------------------------
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                    if module.bias is not None:
+                        module.bias.zero_()
+            elif isinstance(module, DFlashRMSNorm):
+                nn.init.ones_(module.weight)
+        # scale residual outputs like GPT-2 so deep drafts start near identity
+        for layer in self.layers:
+            for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                with torch.no_grad():
+                    lin.weight.mul_(1.0 / math.sqrt(2 * len(self.layers)))
+
+
+def train_layout(anchors: torch.Tensor, doc_start: torch.Tensor, ctx_positions: torch.Tensor,
+                 block_size: int) -> TrainLayout:
+    """Layout for blocks at `anchors` of a packed sequence (ctx_positions: in-document positions)."""
+    offsets = torch.arange(block_size, device=anchors.device)
+    block_positions = ctx_positions[anchors][:, None] + offsets
+    return TrainLayout(anchors=anchors, doc_start=doc_start, ctx_positions=ctx_positions,
+                       block_positions=block_positions)

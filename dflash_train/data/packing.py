@@ -1,0 +1,88 @@
+"""Documents and packed training rows.
+
+Features are computed per document (online or from the offline cache) and then packed into
+one row per micro-batch, keeping document ids, in-document positions and document starts so
+that anchors, masks and labels never cross documents.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Document:
+    """One prepared conversation with its target features.
+
+    greedy_next[t] is the target's argmax at position t, i.e. its prediction for token t+1.
+    """
+
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] bool
+    features: torch.Tensor  # [T, n_aux * H_target]
+    greedy_next: torch.Tensor  # [T] long
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class PackedBatch:
+    """Several documents concatenated into one row of T tokens."""
+
+    input_ids: torch.Tensor  # [T]
+    loss_mask: torch.Tensor  # [T] bool
+    features: torch.Tensor  # [T, n_aux * H_target]
+    greedy_next: torch.Tensor  # [T]
+    doc_ids: torch.Tensor  # [T] 0..D-1
+    positions: torch.Tensor  # [T] position inside its document
+    doc_start: torch.Tensor  # [T] packed index of the first token of its document
+    doc_end: torch.Tensor  # [T] packed index one past the last token of its document
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.doc_ids.max().item()) + 1 if self.doc_ids.numel() else 0
+
+
+def pack_documents(docs: list[Document]) -> PackedBatch:
+    if not docs:
+        raise ValueError("pack_documents needs at least one document")
+    lengths = [len(d) for d in docs]
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    doc_ids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    doc_start = starts[doc_ids]
+    doc_end = doc_start + torch.tensor(lengths)[doc_ids]
+    return PackedBatch(
+        input_ids=torch.cat([d.input_ids.long() for d in docs]),
+        loss_mask=torch.cat([d.loss_mask.bool() for d in docs]),
+        features=torch.cat([d.features for d in docs]),
+        greedy_next=torch.cat([d.greedy_next.long() for d in docs]),
+        doc_ids=doc_ids, positions=positions, doc_start=doc_start, doc_end=doc_end,
+    )
+
+
+def plan_microbatches(lengths: list[int], token_budget: int, seed: int, epoch: int) -> list[list[int]]:
+    """Group document indices into micro-batches of at most `token_budget` tokens.
+
+    Deterministic in (seed, epoch): documents are shuffled, then filled first-fit into bins.
+    A document longer than the budget gets a bin of its own (callers truncate at prepare).
+    """
+    order = list(range(len(lengths)))
+    random.Random(seed * 100_003 + epoch).shuffle(order)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(token_budget - n)
+    return bins

@@ -1,0 +1,76 @@
+"""Token frequencies over supervised tokens and reduced draft vocabularies (formats.md §6).
+
+token_freq.json: {"vocab_size": V, "total": N, "counts": [V ints]} counted over loss-masked
+(assistant) tokens only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from dflash_train.errors import DataError
+
+TOKEN_FREQ_FILE = "token_freq.json"
+
+
+def count_token_frequencies(rows: Iterable[tuple[Iterable[int], Iterable[int]]], vocab_size: int) -> torch.Tensor:
+    """Counts [V] over tokens whose loss_mask is 1; rows are (input_ids, loss_mask) pairs."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in rows:
+        ids_t = torch.as_tensor(list(ids), dtype=torch.long)
+        mask_t = torch.as_tensor(list(mask), dtype=torch.bool)
+        counts += torch.bincount(ids_t[mask_t], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def write_token_freq(path: str | Path, counts: torch.Tensor) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"vocab_size": int(counts.numel()), "total": int(counts.sum()),
+                               "counts": counts.tolist()}))
+    tmp.replace(path)
+
+
+def read_token_freq(path: str | Path) -> torch.Tensor:
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKEN_FREQ_FILE
+    try:
+        data = json.loads(path.read_text())
+        counts = torch.tensor(data["counts"], dtype=torch.long)
+    except FileNotFoundError as exc:
+        raise DataError(f"{path}: token frequency file not found; `dflash-train prepare` writes one") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{path}: not a token_freq.json file (needs `counts`, a list of ints): {exc}") from exc
+    if counts.numel() != data.get("vocab_size", counts.numel()):
+        raise DataError(f"{path}: `counts` has {counts.numel()} entries but vocab_size is {data['vocab_size']}")
+    return counts
+
+
+def reduced_vocab_maps(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [Vd] int64 offsets, t2d [V] bool) keeping the Vd most frequent ids.
+
+    Ties go to the lower id; when fewer than Vd ids were seen, the lowest unused ids pad the
+    set; kept ids are sorted ascending and d2t[i] = kept[i] - i.
+    """
+    vocab = counts.numel()
+    if not 0 < draft_vocab_size <= vocab:
+        raise DataError(f"draft vocab size {draft_vocab_size} must be in 1..{vocab}")
+    ids = torch.arange(vocab)
+    seen = counts > 0
+    # sort by (-count, id): a stable sort on -count over ids in ascending order breaks ties by id
+    order = torch.sort(-counts, stable=True).indices
+    top = order[:draft_vocab_size]
+    top = top[seen[top]]
+    if top.numel() < draft_vocab_size:
+        unused = ids[~seen][: draft_vocab_size - top.numel()]
+        top = torch.cat([top, unused])
+    kept = torch.sort(top).values
+    d2t = (kept - torch.arange(draft_vocab_size)).to(torch.int64)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    return d2t, t2d

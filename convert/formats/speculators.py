@@ -102,8 +102,8 @@ def from_config_dict(d: dict[str, Any], where: str = "config.json") -> DFlashCon
         raise CheckpointError(f"{where}: speculative_tokens {spec_tokens} must be block_size - 1 = "
                               f"{d['block_size'] - 1}")
     rope = body.get("rope_parameters") or {}
-    try:
-        return DFlashConfig(
+    return DFlashConfig.build(
+        where, CheckpointError,
             hidden_size=_require(body, "hidden_size", f"{where} transformer_layer_config"),
             intermediate_size=_require(body, "intermediate_size", f"{where} transformer_layer_config"),
             num_hidden_layers=_require(body, "num_hidden_layers", f"{where} transformer_layer_config"),
@@ -130,9 +130,7 @@ def from_config_dict(d: dict[str, Any], where: str = "config.json") -> DFlashCon
             verifier_name_or_path=verifier.get("name_or_path"),
             verifier_architectures=verifier.get("architectures") or None,
             dtype=d.get("dtype") or d.get("torch_dtype") or "bfloat16",
-        )
-    except ValueError as exc:
-        raise CheckpointError(f"{where}: {exc}") from exc
+    )
 
 
 def read_config(folder: Path) -> DFlashConfig:

@@ -91,8 +91,8 @@ def from_config_dict(d: dict[str, Any], where: str = "config.json", mask_token_i
         if key not in d:
             raise CheckpointError(f"{where}: missing required field `{key}`")
     rope = d.get("rope_parameters") or {}
-    try:
-        return DFlashConfig(
+    return DFlashConfig.build(
+        where, CheckpointError,
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"],
@@ -116,9 +116,7 @@ def from_config_dict(d: dict[str, Any], where: str = "config.json", mask_token_i
             mask_token_id=mask,
             verifier_name_or_path=d.get("target_model_name_or_path"),
             dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
-        )
-    except ValueError as exc:
-        raise CheckpointError(f"{where}: {exc}") from exc
+    )
 
 
 def read_config(folder: Path) -> DFlashConfig:

@@ -30,8 +30,7 @@ def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 def dropped_tensor(name: str) -> bool:
     """Tensors other writers add that we accept and drop (frozen target copies)."""
-    return name in ("embed_tokens.weight", "mask_hidden") or name.startswith("verifier_") or (
-        name == "lm_head.weight")
+    return name in ("embed_tokens.weight", "lm_head.weight") or name.startswith("verifier_")
 
 
 def clean_state_dict(tensors: dict[str, torch.Tensor], cfg: DFlashConfig, where: str) -> dict[str, torch.Tensor]:

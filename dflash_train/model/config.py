@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dflash_train.errors import ConfigError
 from dflash_train.features.layer_ids import aux_to_target, default_target_layer_ids, target_to_aux
@@ -68,6 +68,19 @@ class DFlashConfig(BaseModel):
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         return self
 
+    @classmethod
+    def build(cls, where: str, error: type[Exception] = ConfigError, **fields) -> DFlashConfig:
+        """Validate fields; a failure becomes `error` with one readable line naming `where` and the field."""
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            problems = []
+            for e in exc.errors():
+                loc = ".".join(str(x) for x in e["loc"])
+                msg = e["msg"].removeprefix("Value error, ")
+                problems.append(f"{loc}: {msg}" if loc else msg)
+            raise error(f"{where}: " + "; ".join(problems)) from None
+
     # derived values -------------------------------------------------------------------------
     @property
     def target_layer_ids(self) -> list[int]:
@@ -112,8 +125,8 @@ class DFlashConfig(BaseModel):
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
         rope = getattr(tc, "rope_parameters", None) or {}
         rope_theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", 1_000_000.0)))
-        try:
-            return cls(
+        return cls.build(
+                "drafter config for this target",
                 hidden_size=tc.hidden_size,
                 intermediate_size=intermediate_size or tc.intermediate_size,
                 num_hidden_layers=num_hidden_layers,
@@ -136,8 +149,6 @@ class DFlashConfig(BaseModel):
                 verifier_architectures=list(getattr(target_config, "architectures", None) or []) or None,
                 dtype=dtype,
             )
-        except ValueError as exc:
-            raise ConfigError(f"drafter config for this target: {exc}") from exc
 
     def check_against_target(self, target_config, where: str = "drafter config") -> None:
         """Raise ConfigError naming the field when this drafter cannot run on the target."""

@@ -175,6 +175,9 @@ class DFlashAttention(nn.Module):
         """h [b, B, H]; ctx_k/v [b, Hkv, P, d] (already normed and rotated)."""
         q = self.project_queries(h, cos, sin)
         k_blk, v_blk = self.project_kv(h, cos, sin)
+        if ctx_k is None:  # a block at the very start of a sequence has no context yet
+            ctx_k, ctx_v = k_blk[..., :0, :], v_blk[..., :0, :]
+            ctx_positions = block_positions[:, :0]
         k = self._expand_kv(torch.cat([ctx_k, k_blk], dim=-2))
         v = self._expand_kv(torch.cat([ctx_v, v_blk], dim=-2))
         mask = None

@@ -1,0 +1,40 @@
+"""The distribution installs the three import names and console scripts of this project."""
+
+import importlib
+import shutil
+import subprocess
+import sys
+from importlib.metadata import distribution
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["dflash_train", "convert", "serve_shim", "convert.formats"])
+def test_import_names_resolve_to_this_project(name):
+    # `convert` is a common name: make sure no other installed package shadows ours
+    module = importlib.import_module(name)
+    assert Path(module.__file__).resolve().is_relative_to(ROOT), module.__file__
+
+
+def test_distribution_declares_packages_and_scripts():
+    dist = distribution("dflash-toolkit")
+    scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
+    assert scripts == {"dflash-train": "dflash_train.cli:main", "dflash-convert": "convert.cli:main",
+                       "dflash-serve": "serve_shim.cli:main"}
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    on_disk = sorted(str(p.parent.relative_to(ROOT)).replace("/", ".")
+                     for top in ("dflash_train", "convert", "serve_shim") for p in (ROOT / top).rglob("__init__.py"))
+    assert sorted(packages) == on_disk
+
+
+@pytest.mark.parametrize("script", ["dflash-train", "dflash-convert", "dflash-serve"])
+def test_console_scripts_show_help(script):
+    exe = shutil.which(script) or str(Path(sys.executable).parent / script)
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Usage" in out.stdout

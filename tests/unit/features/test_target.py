@@ -1,0 +1,40 @@
+import json
+import os
+import subprocess
+import sys
+
+from dflash_train.features.target import DEFAULT_TARGET_NAME, default_target_path, resolve_target
+
+
+def test_default_target_is_a_real_smollm2_folder(smollm2_path):
+    cfg = json.loads((smollm2_path / "config.json").read_text())
+    assert cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576 and cfg["vocab_size"] == 49152
+    assert "quantization_config" not in cfg
+    assert (smollm2_path / "model.safetensors").stat().st_size > 200e6
+    assert resolve_target(None) == str(smollm2_path) == resolve_target(DEFAULT_TARGET_NAME)
+
+
+def test_second_call_reuses_the_cache(smollm2_path):
+    before = (smollm2_path / "model.safetensors").stat().st_mtime_ns
+    assert default_target_path() == smollm2_path
+    assert (smollm2_path / "model.safetensors").stat().st_mtime_ns == before
+    # no temp folders are left behind by conversions
+    assert not [p for p in smollm2_path.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_target_info_cli_reports_layer_ids(smollm2_path):
+    out = subprocess.run([sys.executable, "-m", "dflash_train.cli", "target-info", "--json"],
+                         capture_output=True, text=True, check=True, env=os.environ.copy())
+    info = json.loads(out.stdout)
+    assert info["path"] == str(smollm2_path)
+    assert info["target_layer_ids"] == [1, 8, 14, 20, 27]
+    assert info["aux_hidden_state_layer_ids"] == [2, 9, 15, 21, 28]
+
+
+def test_missing_target_folder_is_a_clear_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    out = subprocess.run([sys.executable, "-m", "dflash_train.cli", "target-info", "--target", str(tmp_path / "empty")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "has no config.json" in out.stderr and "Traceback" not in out.stderr

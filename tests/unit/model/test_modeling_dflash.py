@@ -1,0 +1,167 @@
+"""The drafter's two entry points agree, and the attention paths match the dense reference."""
+
+import pytest
+import torch
+
+from dflash_train.model.modeling_dflash import DFlashDraftModel, dense_training_mask, train_layout
+
+
+def _model(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(cfg)
+    model.init_weights(std=0.2, seed=seed)  # large weights so every term matters
+    gen = torch.Generator().manual_seed(seed + 1)
+    model.attach_target_weights(torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=gen),
+                                torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen) * 0.1)
+    return model
+
+
+def _packed(cfg, lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    feats = torch.randn(total, cfg.num_aux_layers * cfg.target_hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size - 1, (total,), generator=gen)
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    doc_start = torch.cat([torch.full((n,), int(s)) for s, n in zip(starts, lengths)])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return feats, ids, doc_start, positions
+
+
+def _inference_hidden(model, feats, ids, doc_start, positions, anchor):
+    """Run the inference entry point for the block at `anchor`, growing and cropping the cache."""
+    start = int(doc_start[anchor])
+    p = int(positions[anchor])
+    cache = model.new_cache()
+    if p > 0:
+        # feed the context in two pieces, overshoot by two positions, then crop back:
+        # exactly what the decode loop does after a rejection
+        cut = max(1, p // 2)
+        extra = min(2, len(feats) - start - p)
+        model.append_context(cache, feats[None, start:start + cut], positions[None, start:start + cut])
+        model.append_context(cache, feats[None, start + cut:start + p + extra],
+                             positions[None, start + cut:start + p + extra])
+        cache.crop(p)
+        assert cache.length == p
+    block = model.embed(model.block_ids(ids[anchor:anchor + 1]))
+    return model.forward_block(block, positions[anchor:anchor + 1], cache)[0]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_inference_equals_training_at_start_middle_end(tiny_config, block_size):
+    cfg = tiny_config.model_copy(update={"block_size": block_size})
+    model = _model(cfg)
+    lengths = [37, 50]
+    feats, ids, doc_start, positions = _packed(cfg, lengths)
+    # anchors at the start, middle and end of both documents (the second starts at 37)
+    anchors = torch.tensor([0, 1, 18, 36 - block_size + 1, 37, 38 + 20, 37 + 50 - 2])
+    layout = train_layout(anchors, doc_start[anchors], positions, block_size)
+    blocks = model.embed(model.block_ids(ids[anchors]))
+    with torch.no_grad():
+        train_hidden = model.forward_train(feats, blocks, layout, attention="split")
+        train_logits = model.logits(train_hidden)
+        for n, a in enumerate(anchors.tolist()):
+            inf_logits = model.logits(_inference_hidden(model, feats, ids, doc_start, positions, a))
+            torch.testing.assert_close(inf_logits, train_logits[n], rtol=0, atol=1e-5)
+
+
+def test_context_is_blind_to_other_documents_and_later_positions(tiny_config):
+    model = _model(tiny_config)
+    feats, ids, doc_start, positions = _packed(tiny_config, [20, 30])
+    anchors = torch.tensor([10, 35])
+    layout = train_layout(anchors, doc_start[anchors], positions, tiny_config.block_size)
+    blocks = model.embed(model.block_ids(ids[anchors]))
+    with torch.no_grad():
+        base = model.forward_train(feats, blocks, layout)
+        changed = feats.clone()
+        changed[10:20] += 5.0   # at/after anchor 10 in doc 0 (anchor 35 is in doc 1: blind to doc 0)
+        changed[35:] += 5.0     # at/after anchor 35
+        after = model.forward_train(changed, blocks, layout)
+    torch.testing.assert_close(after, base, rtol=0, atol=1e-6)
+    changed = feats.clone()
+    changed[9] += 5.0  # the position just before anchor 10 is visible
+    with torch.no_grad():
+        assert (model.forward_train(changed, blocks, layout)[0] - base[0]).abs().max() > 1e-3
+
+
+def test_blocks_are_bidirectional_inside_and_blind_to_each_other(tiny_config):
+    model = _model(tiny_config)
+    feats, ids, doc_start, positions = _packed(tiny_config, [60])
+    anchors = torch.tensor([10, 30])
+    layout = train_layout(anchors, doc_start[anchors], positions, tiny_config.block_size)
+    blocks = model.embed(model.block_ids(ids[anchors]))
+    with torch.no_grad():
+        base = model.forward_train(feats, blocks, layout)
+        changed = blocks.clone()
+        changed[1, -1] += 3.0  # last slot of block 1
+        after = model.forward_train(feats, changed, layout)
+    assert (after[1, 0] - base[1, 0]).abs().max() > 1e-3  # slot 0 sees the last slot: non-causal
+    torch.testing.assert_close(after[0], base[0], rtol=0, atol=1e-6)  # block 0 never sees block 1
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_split_attention_equals_dense_reference_forward_and_backward(tiny_config, sliding):
+    update = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6} if sliding else {}
+    cfg = tiny_config.model_copy(update=update)
+    feats, ids, doc_start, positions = _packed(cfg, [25, 40])
+    anchors = torch.tensor([1, 12, 26, 50, 63])
+    results = {}
+    for attention in ("split", "dense"):
+        model = _model(cfg)
+        layout = train_layout(anchors, doc_start[anchors], positions, cfg.block_size)
+        f = feats.clone().requires_grad_(True)
+        out = model.forward_train(f, model.embed(model.block_ids(ids[anchors])), layout, attention=attention)
+        loss = (out * torch.linspace(-1, 1, out.shape[-1])).sum()
+        loss.backward()
+        results[attention] = (out.detach(), f.grad, {n: p.grad for n, p in model.named_parameters()})
+    out_s, fg_s, g_s = results["split"]
+    out_d, fg_d, g_d = results["dense"]
+    torch.testing.assert_close(out_s, out_d, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fg_s, fg_d, rtol=0, atol=1e-5)
+    for name in g_s:
+        torch.testing.assert_close(g_s[name], g_d[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_flex_attention_forward_equals_dense(tiny_config):
+    model = _model(tiny_config)
+    feats, ids, doc_start, positions = _packed(tiny_config, [30, 34])
+    anchors = torch.tensor([3, 20, 31, 50])
+    blocks = model.embed(model.block_ids(ids[anchors]))
+    with torch.no_grad():  # torch 2.13 has no flex-attention backward on CPU
+        dense = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "dense")
+        flex = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "flex")
+    torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
+
+
+def test_dense_mask_is_the_training_mask(tiny_config):
+    _, _, doc_start, positions = _packed(tiny_config, [5, 6])
+    anchors = torch.tensor([2, 7])
+    layout = train_layout(anchors, doc_start[anchors], positions, 2)
+    mask = dense_training_mask(layout, None).int()
+    expected = torch.tensor([
+        # ctx 0..10                          blocks (2 x 2)
+        [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1],
+        [0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1],
+    ])
+    assert torch.equal(mask, expected)
+
+
+def test_reduced_vocab_maps_draft_ids_to_target_ids(tiny_config):
+    cfg = tiny_config.model_copy(update={"draft_vocab_size": 4})
+    model = DFlashDraftModel(cfg)
+    kept = torch.tensor([3, 7, 50, 99])
+    model.d2t.copy_(kept - torch.arange(4))
+    model.t2d.zero_()
+    model.t2d[kept] = True
+    assert torch.equal(model.draft_to_target(torch.arange(4)), kept)
+    assert model.target_to_draft(torch.tensor([7, 8, 99, -100])).tolist() == [1, -100, 3, -100]
+    assert model.logits(torch.randn(2, cfg.hidden_size)).shape == (2, 4)
+    assert {"lm_head.weight", "d2t", "t2d"} <= set(model.state_dict())
+
+
+def test_full_vocab_drafter_stores_no_embedding_or_head(tiny_config):
+    names = set(DFlashDraftModel(tiny_config).state_dict())
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
+            "layers.0.mlp.down_proj.weight", "layers.0.input_layernorm.weight"} <= names

@@ -99,7 +99,7 @@ def write_tensors(folder: Path, tensors: Mapping[str, torch.Tensor],
         return [SINGLE_FILE]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
-    for name, shard in zip(names, shards):
+    for name, shard in zip(names, shards, strict=True):
         save_file(shard, str(folder / name), metadata=meta)
         weight_map.update({k: name for k in shard})
     total = sum(_nbytes(t) for s in shards for t in s.values())

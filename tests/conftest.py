@@ -30,3 +30,65 @@ def tiny_config():
                         num_key_value_heads=2, head_dim=16, vocab_size=101, draft_vocab_size=101,
                         target_hidden_size=64, num_target_layers=8, aux_hidden_state_layer_ids=[2, 4, 6],
                         block_size=8, mask_token_id=100, rope_theta=10000.0, dtype="float32")
+
+
+# --- trainer fixtures (dflash_train/train) -------------------------------------------------------
+def make_train_tiny_target(folder, smollm2_path):
+    """A tiny random Llama (6 layers, hidden 64) with SmolLM2's tokenizer: fast trainer tests."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def make_train_prepared(folder, target_folder, n=24):
+    """Prepared rows (data stage format) of short synthetic arithmetic chats."""
+    from transformers import AutoTokenizer
+
+    from dflash_train.data.prepare import write_prepared
+
+    tok = AutoTokenizer.from_pretrained(str(target_folder))
+    convs = [[{"role": "user", "content": f"What is {i} plus {i + 3}?"},
+              {"role": "assistant", "content": f"{i} plus {i + 3} is {2 * i + 3}. Adding {i} and {i + 3} "
+                                               f"gives {2 * i + 3}, an {'even' if i % 2 else 'odd'} number."}]
+             for i in range(n)]
+    write_prepared(convs, tok, folder, {"command": "test"}, max_length=256)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def train_tiny_target(tmp_path_factory, smollm2_path):
+    return make_train_tiny_target(tmp_path_factory.mktemp("train-tiny-target"), smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def train_prepared(tmp_path_factory, train_tiny_target):
+    return make_train_prepared(tmp_path_factory.mktemp("train-prepared") / "rows", train_tiny_target)
+
+
+@pytest.fixture
+def make_tiny_drafter(tmp_path, tiny_config):
+    """serve_shim: factory writing a real tiny drafter folder (safetensors + config) in either format.
+
+    make_tiny_drafter(path, fmt="speculators"|"zlab", verifier="ORG/NAME"|None|"/folder", block_size=8)
+    """
+    import json
+
+    from convert.formats import zlab
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+
+    def make(path, fmt="speculators", verifier="HuggingFaceTB/SmolLM2-135M-Instruct", block_size=8):
+        cfg = tiny_config.model_copy(update={"verifier_name_or_path": verifier, "block_size": block_size})
+        out = save_drafter(DFlashDraftModel(cfg), tmp_path / path)
+        if fmt == "zlab":
+            (out / "config.json").write_text(json.dumps(zlab.to_config_dict(cfg)))
+        return out
+
+    return make

@@ -17,6 +17,9 @@ SPECULATORS_VERSION = "0.9.0"
 # tensors that speculators stores as frozen copies and that we accept and drop on read
 DROPPED_ON_READ = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_embed_tokens.weight",
                    "verifier_norm.weight")
+# DFlashConfig fields this format has no key for (a round trip through it loses them)
+NOT_CARRIED: tuple[str, ...] = ()
+SUPPORTS_REDUCED_VOCAB = True
 
 
 def detect(config: dict[str, Any]) -> bool:

@@ -15,6 +15,9 @@ from dflash_train.model.config import DFlashConfig
 
 NAME = "zlab"
 DROPPED_ON_READ: tuple[str, ...] = ()
+# DFlashConfig fields this format has no key for (a round trip through it loses them)
+NOT_CARRIED: tuple[str, ...] = ("verifier_architectures", "sample_from_anchor", "sliding_window_non_causal")
+SUPPORTS_REDUCED_VOCAB = False
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 

@@ -1,0 +1,277 @@
+"""Converting drafter folders between the registered formats, streaming one tensor at a time.
+
+A source is any folder `convert.formats` detects (z-lab / SpecForge, speculators, our own
+saves) or a training run folder (its `final/` or newest complete `checkpoints/step-*/`).
+The body tensors are copied byte for byte; only the config is rewritten, so A -> B -> A is
+bit-exact. Frozen copies other writers add (embed_tokens, verifier_*, a full-vocab lm_head)
+are dropped, because vLLM's loader fails on names it does not know.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_train.errors import CheckpointError, ConfigError
+from dflash_train.model.config import DFlashConfig
+
+from . import formats
+from .stream import CODES, DTYPES, OutTensor, TensorRef, folder_refs, write_streaming
+from .weights import DEFAULT_MAX_SHARD_BYTES, atomic_folder, weight_files, write_json
+
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+# names other writers store beside the drafter; accepted on read and never written
+DROPPABLE = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d", "mask_hidden")
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class Source:
+    folder: Path
+    format: str
+    raw: dict[str, Any]
+    config: DFlashConfig
+    refs: list[TensorRef]
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    format: str
+    source: Path
+    source_format: str
+    files: list[str]
+    dropped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------
+# finding and reading the source
+def _is_checkpoint(folder: Path) -> bool:
+    if not (folder / "config.json").is_file():
+        return False
+    try:
+        weight_files(folder)
+    except CheckpointError:
+        return False
+    return True
+
+
+def resolve_source(src: str | Path) -> Path:
+    """The checkpoint folder for `src`: itself, or a run folder's final/ or newest complete step."""
+    src = Path(src)
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: no such folder; give a drafter checkpoint or a training run folder")
+    if _is_checkpoint(src):
+        return src
+    candidates: list[Path] = []
+    if (src / "final").is_dir():
+        candidates.append(src / "final")
+    steps = sorted((p for p in (src / "checkpoints").glob("step-*") if _STEP.match(p.name)),
+                   key=lambda p: int(_STEP.match(p.name).group(1)), reverse=True) if (src / "checkpoints").is_dir() else []
+    candidates.extend(steps)
+    for folder in candidates:
+        for inner in (folder, folder / "drafter", folder / "model"):
+            if _is_checkpoint(inner):
+                return inner
+    raise CheckpointError(f"{src}: no config.json with weights here, no final/ and no complete "
+                          "checkpoints/step-*/ folder; give a drafter checkpoint or a run folder")
+
+
+def _patch_zlab_layer_ids(raw: dict[str, Any], refs: list[TensorRef], layer_ids: list[int] | None, where: str) -> None:
+    """Fill `dflash_config.target_layer_ids` from --layer-ids or z-lab's default choice."""
+    inner = raw.setdefault("dflash_config", {})
+    if layer_ids is not None:
+        inner["target_layer_ids"] = list(layer_ids)
+        return
+    if "target_layer_ids" in inner or "target_layer_ids" in raw:
+        return
+    from dflash_train.features.layer_ids import default_target_layer_ids
+
+    fc = next((r for r in refs if r.name in ("fc.weight", "model.fc.weight")), None)
+    hidden = raw.get("target_hidden_size") or raw.get("hidden_size")
+    if fc is None or not hidden or not raw.get("num_target_layers") or fc.shape[1] % hidden:
+        raise ConfigError(f"{where}: no `dflash_config.target_layer_ids` and no num_target_layers to derive "
+                          "them from; pass --layer-ids (z-lab ids: decoder-layer outputs)")
+    inner["target_layer_ids"] = default_target_layer_ids(raw["num_target_layers"], fc.shape[1] // hidden)
+
+
+def read_source(src: str | Path, *, mask_token_id: int | None = None, layer_ids: list[int] | None = None) -> Source:
+    folder = resolve_source(src)
+    module = formats.detect_format(folder)
+    raw = formats.read_config_json(folder)
+    where = str(folder / "config.json")
+    refs = folder_refs(folder)
+    if module is formats.zlab:
+        _patch_zlab_layer_ids(raw, refs, layer_ids, where)
+        cfg = module.from_config_dict(raw, where, mask_token_id=mask_token_id)
+    else:
+        cfg = module.from_config_dict(raw, where)
+    return Source(folder, module.NAME, raw, cfg, refs)
+
+
+# ------------------------------------------------------------------------------------------
+# config overrides
+def verifier_architectures(name_or_path: str | None) -> list[str] | None:
+    """`architectures` from the verifier's config.json when it is a local folder or cached."""
+    if not name_or_path:
+        return None
+    path = Path(name_or_path) / "config.json"
+    if not path.is_file():
+        from dflash_train.features.target import DEFAULT_TARGET_NAME, cache_dir
+
+        path = None
+        if name_or_path == DEFAULT_TARGET_NAME:
+            cached = cache_dir() / "targets" / "SmolLM2-135M-Instruct" / "config.json"
+            path = cached if cached.is_file() else None
+        if path is None and "/" in name_or_path and not Path(name_or_path).exists():
+            try:
+                from huggingface_hub import try_to_load_from_cache
+
+                hit = try_to_load_from_cache(name_or_path, "config.json")
+                path = Path(hit) if isinstance(hit, str) else None
+            except Exception:  # an id the hub library rejects: no architectures
+                path = None
+    if path is None:
+        return None
+    try:
+        return list(json.loads(path.read_text()).get("architectures") or []) or None
+    except ValueError:
+        return None
+
+
+def apply_overrides(cfg: DFlashConfig, *, verifier: str | None = None, block_size: int | None = None,
+                    mask_token_id: int | None = None, layer_ids: list[int] | None = None) -> DFlashConfig:
+    from dflash_train.features.layer_ids import target_to_aux
+
+    update: dict[str, Any] = {}
+    if verifier:
+        update["verifier_name_or_path"] = verifier
+    if block_size is not None:
+        update["block_size"] = block_size
+    if mask_token_id is not None:
+        update["mask_token_id"] = mask_token_id
+    if layer_ids is not None:
+        update["aux_hidden_state_layer_ids"] = target_to_aux(layer_ids)
+    try:
+        cfg = DFlashConfig.model_validate({**cfg.model_dump(), **update})
+    except ValueError as exc:
+        raise ConfigError(f"--verifier/--block-size/--mask-token-id/--layer-ids: {exc}") from exc
+    if not cfg.verifier_architectures:
+        archs = verifier_architectures(cfg.verifier_name_or_path)
+        if archs:
+            cfg = cfg.model_copy(update={"verifier_architectures": archs})
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------
+# tensors
+def plan_tensors(refs: list[TensorRef], cfg: DFlashConfig, where: str,
+                 extra: list[OutTensor] | None = None) -> tuple[list[OutTensor], list[str]]:
+    """Output tensors for `cfg` from the source refs (plus `extra`, which replace same-named
+    source tensors): (planned, dropped names). Checks names and shapes against the config."""
+    from dflash_train.model.checkpoint import expected_shapes
+
+    expected = expected_shapes(cfg)
+    planned: dict[str, OutTensor] = {t.name: t for t in extra or []}
+    dropped: list[str] = []
+    for ref in refs:
+        name = ref.name
+        if name.startswith("model.") and name[len("model."):] in expected:
+            name = name[len("model."):]
+        if name in planned:
+            dropped.append(ref.name)
+        elif name in expected:
+            if tuple(ref.shape) != tuple(expected[name]):
+                raise CheckpointError(f"{where}: tensor `{ref.name}` has shape {list(ref.shape)} but the config "
+                                      f"implies {list(expected[name])}")
+            planned[name] = OutTensor.copy_of(ref, name)
+        elif name in DROPPABLE or name.startswith("verifier_"):
+            dropped.append(ref.name)
+        else:
+            raise CheckpointError(f"{where}: unknown tensor `{ref.name}`; a DFlash drafter holds only fc, "
+                                  "hidden_norm, layers.*, norm (and lm_head/d2t/t2d when the vocab is reduced)")
+    for name, t in planned.items():
+        if name not in expected or tuple(t.shape) != tuple(expected[name]):
+            raise CheckpointError(f"{where}: tensor `{name}` {list(t.shape)} does not fit the config "
+                                  f"(expects {list(expected.get(name, ()))})")
+    missing = sorted(set(expected) - set(planned))
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor `{missing[0]}`" +
+                              (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    order = sorted(planned, key=_tensor_order)
+    return [planned[n] for n in order], dropped
+
+
+def _tensor_order(name: str) -> tuple:
+    """fc, hidden_norm, layers in numeric order, norm, vocab tensors: the order readers expect."""
+    m = re.match(r"layers\.(\d+)\.(.*)", name)
+    if m:
+        return (1, int(m.group(1)), m.group(2))
+    rank = {"fc.weight": 0, "hidden_norm.weight": 0, "norm.weight": 2}.get(name, 3)
+    return (rank, 0, name)
+
+
+def weights_dtype(refs: list[TensorRef], fallback: str) -> str:
+    """The weights' float dtype name (fc.weight decides), so the config tells the truth."""
+    names = {v: k for k, v in {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.items()}
+    for ref in refs:
+        if ref.name.endswith("fc.weight") and ref.dtype in names:
+            return names[ref.dtype]
+    return fallback
+
+
+# ------------------------------------------------------------------------------------------
+# the conversion
+def write_checkpoint(out: str | Path, to: str, cfg: DFlashConfig, tensors: list[OutTensor],
+                     source_folder: Path | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Write config + tensors in format `to`, atomically; copies mask_embedding.pt along."""
+    if to not in formats.FORMATS:
+        raise ConfigError(f"unknown format {to!r}; choose one of {sorted(formats.FORMATS)}")
+    config = formats.FORMATS[to].to_config_dict(cfg)
+    total = sum(t.nbytes for t in tensors)
+    from tqdm import tqdm
+
+    with atomic_folder(Path(out)) as tmp, tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {to}",
+                                              disable=None, leave=False) as bar:
+        files = write_streaming(tmp, tensors, max_shard_bytes, on_bytes=bar.update)
+        write_json(tmp / "config.json", config)
+        files.append("config.json")
+        if source_folder is not None and (source_folder / MASK_EMBEDDING_FILE).is_file():
+            shutil.copy2(source_folder / MASK_EMBEDDING_FILE, tmp / MASK_EMBEDDING_FILE)
+            files.append(MASK_EMBEDDING_FILE)
+    return files
+
+
+def convert_checkpoint(src: str | Path, out: str | Path, to: str, *, verifier: str | None = None,
+                       block_size: int | None = None, mask_token_id: int | None = None,
+                       layer_ids: list[int] | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                       source: Source | None = None, config: DFlashConfig | None = None,
+                       extra: list[OutTensor] | None = None) -> ConvertResult:
+    """Convert `src` (any registered format or a run folder) into format `to` at `out`."""
+    source = source or read_source(src, mask_token_id=mask_token_id, layer_ids=layer_ids)
+    cfg = config or apply_overrides(source.config, verifier=verifier, block_size=block_size,
+                                    mask_token_id=mask_token_id, layer_ids=layer_ids)
+    notes: list[str] = []
+    cfg = cfg.model_copy(update={"dtype": weights_dtype(source.refs, cfg.dtype)})
+    if cfg.all_full_attention and not cfg.sliding_window_non_causal:
+        notes.append("sliding_window_non_causal was false on an all-full-attention draft; wrote true "
+                     "(false makes vLLM run every layer causal and costs acceptance)")
+        cfg = cfg.model_copy(update={"sliding_window_non_causal": True})
+    if cfg.sample_from_anchor:
+        notes.append("sample_from_anchor was true; wrote false (vLLM requires false)")
+        cfg = cfg.model_copy(update={"sample_from_anchor": False})
+    tensors, dropped = plan_tensors(source.refs, cfg, str(source.folder), extra)
+    for t in tensors:
+        if t.dtype not in DTYPES:
+            raise CheckpointError(f"{source.folder}: tensor `{t.name}` has unsupported dtype {t.dtype}")
+    files = write_checkpoint(out, to, cfg, tensors, source.folder, max_shard_bytes)
+    return ConvertResult(Path(out), to, source.folder, source.format, files, dropped, notes)
+
+
+__all__ = ["CODES", "ConvertResult", "Source", "apply_overrides", "convert_checkpoint", "plan_tensors",
+           "read_source", "resolve_source", "verifier_architectures", "write_checkpoint"]

@@ -1,0 +1,258 @@
+"""Validating a drafter folder against what vLLM 0.33 and SGLang load.
+
+Runs the format's config rules (`convert.rules`), then file, tensor and optional target
+checks. Every check is a named function; the result is a list of (check, status, reason)
+rows. Nothing here prints: the CLI renders the report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.errors import DFlashError
+
+from . import formats
+from .rules import RULES, Fail, Warn
+from .stream import TensorRef, read_header
+from .weights import INDEX_FILE, weight_files
+
+PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
+# tensors vLLM's loader does not know in a full-vocab drafter: fatal there
+FATAL_EXTRAS = ("d2t", "t2d", "mask_hidden")
+# frozen copies speculators itself writes; vLLM borrows the target's, the toolkit leaves them out
+TOLERATED_EXTRAS = ("embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass
+class Check:
+    check: str
+    status: str
+    reason: str = ""
+
+
+@dataclass
+class Report:
+    folder: str
+    format: str | None
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status != FAIL for c in self.checks)
+
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"folder": self.folder, "format": self.format, "ok": self.ok,
+                "checks": [asdict(c) for c in self.checks]}
+
+    def add(self, name: str, outcome) -> None:
+        if outcome is None:
+            self.checks.append(Check(name, PASS))
+        elif isinstance(outcome, Fail):
+            self.checks.append(Check(name, FAIL, outcome.reason))
+        elif isinstance(outcome, Warn):
+            self.checks.append(Check(name, WARN, outcome.reason))
+        else:
+            self.checks.append(Check(name, *outcome))
+
+
+# ------------------------------------------------------------------------------------------
+# files and tensors
+def check_weight_files(folder: Path) -> tuple[list[TensorRef], Fail | None]:
+    """Index consistent with its shards; every file whole (header offsets inside the file)."""
+    try:
+        files = weight_files(folder)
+        refs: list[TensorRef] = []
+        for path in files:
+            refs.extend(read_header(path)[1])
+    except DFlashError as exc:
+        return [], Fail(str(exc))
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        by_name = {r.name: r.file.name for r in refs}
+        for name, file in weight_map.items():
+            if by_name.get(name) != file:
+                return refs, Fail(f"{INDEX_FILE}: maps tensor `{name}` to {file}, which does not hold it")
+        extra = sorted(set(by_name) - set(weight_map))
+        if extra:
+            return refs, Fail(f"{INDEX_FILE}: tensor `{extra[0]}` is in a shard but not in the weight_map")
+    names = [r.name for r in refs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        return refs, Fail(f"tensor `{dup[0]}` appears in more than one shard")
+    return refs, None
+
+
+def check_tensor_names(refs: list[TensorRef], expected: dict, fmt: str) -> Warn | Fail | None:
+    tolerated = []
+    for ref in refs:
+        if ref.name in expected:
+            continue
+        if ref.name in TOLERATED_EXTRAS and fmt == formats.speculators.NAME:
+            tolerated.append(ref.name)
+            continue
+        why = "a `model.` prefix" if ref.name.startswith("model.") else (
+            "a vocab map in a full-vocab drafter" if ref.name in FATAL_EXTRAS else "a name the drafter does not have")
+        return Fail(f"unknown tensor `{ref.name}` ({why}): vLLM's loader fails on it; re-convert with "
+                    "`dflash-convert to-speculators`, which drops it")
+    if tolerated:
+        return Warn(f"frozen copies {tolerated} are stored; vLLM borrows the target's, the toolkit leaves them out")
+    return None
+
+
+def check_tensors_present(refs: list[TensorRef], expected: dict) -> Fail | None:
+    missing = sorted(set(expected) - {r.name for r in refs})
+    if missing:
+        return Fail(f"missing tensor `{missing[0]}`" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return None
+
+
+def check_tensor_shapes(refs: list[TensorRef], expected: dict) -> Fail | None:
+    for ref in refs:
+        if ref.name in expected and tuple(ref.shape) != tuple(expected[ref.name]):
+            return Fail(f"tensor `{ref.name}` has shape {list(ref.shape)} but the config implies "
+                        f"{list(expected[ref.name])}")
+    return None
+
+
+def check_vocab_maps(refs: list[TensorRef], cfg) -> Fail | None:
+    if not cfg.reduced_vocab:
+        return None
+    by = {r.name: r for r in refs}
+    if "d2t" not in by or "t2d" not in by:
+        return None  # reported as missing tensors
+    if by["d2t"].dtype != "I64" or by["t2d"].dtype != "BOOL":
+        return Fail(f"tensor `d2t` must be int64 offsets and `t2d` bool (got {by['d2t'].dtype}, {by['t2d'].dtype})")
+    d2t, t2d = by["d2t"].read(), by["t2d"].read()
+    kept = torch.arange(d2t.numel()) + d2t
+    if int(t2d.sum()) != d2t.numel() or not torch.equal(kept, torch.nonzero(t2d).flatten()):
+        return Fail("tensors `d2t` and `t2d` disagree: arange(Vd) + d2t must list exactly the ids set in t2d, ascending")
+    return None
+
+
+def check_finite(refs: list[TensorRef]) -> Fail | None:
+    for ref in refs:
+        if ref.dtype in ("F32", "F16", "BF16", "F64"):
+            t = ref.read()
+            if not bool(torch.isfinite(t).all()):
+                return Fail(f"tensor `{ref.name}` holds NaN or inf")
+            del t
+    return None
+
+
+def check_dtype(refs: list[TensorRef], cfg) -> Warn | None:
+    code = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(cfg.dtype)
+    odd = [r.name for r in refs if r.dtype in ("F32", "F16", "BF16") and r.dtype != code]
+    if odd:
+        return Warn(f"config `dtype` {cfg.dtype} but tensor `{odd[0]}` is stored as another float type")
+    return None
+
+
+def check_mask_embedding(folder: Path, cfg) -> Fail | None:
+    path = folder / "mask_embedding.pt"
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        return Fail(f"mask_embedding.pt: unreadable ({exc})")
+    emb = data.get("embedding") if isinstance(data, dict) else data
+    if not isinstance(emb, torch.Tensor) or emb.numel() != cfg.target_hidden_size:
+        return Fail(f"mask_embedding.pt: needs a tensor of {cfg.target_hidden_size} values (target hidden size)")
+    if isinstance(data, dict) and data.get("mask_token_id", cfg.mask_token_id) != cfg.mask_token_id:
+        return Fail(f"mask_embedding.pt: mask_token_id {data['mask_token_id']} != config `mask_token_id` {cfg.mask_token_id}")
+    return None
+
+
+def check_sglang_full_vocab(refs: list[TensorRef]) -> Fail | None:
+    names = {r.name for r in refs} & {"lm_head.weight", "d2t", "t2d"}
+    if names:
+        return Fail(f"tensor `{sorted(names)[0]}`: a reduced-vocab head; SGLang always borrows the target's LM head "
+                    "and cannot serve it (use the speculators format, or to-zlab --expand-vocab)")
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# target checks
+def target_checks(report: Report, cfg, target: str | None) -> None:
+    from transformers import AutoConfig
+
+    from dflash_train.features.mask_token import check_mask_token_id
+    from dflash_train.features.target import load_tokenizer, resolve_target
+
+    path = resolve_target(target)
+    tc = AutoConfig.from_pretrained(path).get_text_config()
+    report.add("target_hidden_size", None if cfg.target_hidden_size == tc.hidden_size else Fail(
+        f"`target_hidden_size` {cfg.target_hidden_size} != the target's hidden_size {tc.hidden_size}"))
+    top = max(cfg.aux_hidden_state_layer_ids)
+    report.add("target_layers", None if top <= tc.num_hidden_layers and (
+        cfg.num_target_layers in (None, tc.num_hidden_layers)) else Fail(
+        f"`aux_hidden_state_layer_ids` {cfg.aux_hidden_state_layer_ids} / `num_target_layers` {cfg.num_target_layers} "
+        f"do not fit the target's {tc.num_hidden_layers} layers"))
+    report.add("target_vocab", None if cfg.vocab_size == tc.vocab_size else Fail(
+        f"`vocab_size` {cfg.vocab_size} != the target's vocab_size {tc.vocab_size}"))
+    try:
+        check_mask_token_id(cfg.mask_token_id, load_tokenizer(path), tc.vocab_size)
+        report.add("target_mask_token", None)
+    except DFlashError as exc:
+        report.add("target_mask_token", Fail(str(exc)))
+
+
+# ------------------------------------------------------------------------------------------
+def validate_folder(folder: str | Path, target: str | None = None, use_target: bool = False) -> Report:
+    """Every check for `folder`; with `use_target`, also against the target (None = embedded default)."""
+    from dflash_train.model.checkpoint import expected_shapes
+
+    folder = Path(folder)
+    report = Report(str(folder), None)
+    try:
+        raw = formats.read_config_json(folder)
+        # a speculators config with a stray model_type is still judged as one (spec_model_type fails)
+        module = formats.speculators if "speculators_config" in raw else formats.detect_format(folder)
+    except DFlashError as exc:
+        report.add("config_json", Fail(str(exc)))
+        return report
+    report.format = module.NAME
+    report.add("config_json", None)
+    for rule in RULES[module.NAME]:
+        report.add(rule.__name__, rule(raw))
+    try:
+        if module is formats.zlab:
+            cfg = module.from_config_dict(raw, "config.json", mask_token_id=0)
+        else:
+            cfg = module.from_config_dict(raw, "config.json")
+        report.add("config_parses", None)
+    except DFlashError as exc:
+        cfg = None
+        report.add("config_parses", Fail(str(exc)))
+    refs, problem = check_weight_files(folder)
+    report.add("weights_readable", problem)
+    if cfg is None or not refs:
+        return report
+    expected = expected_shapes(cfg)
+    report.add("tensor_names", check_tensor_names(refs, expected, module.NAME))
+    report.add("tensors_present", check_tensors_present(refs, expected))
+    report.add("tensor_shapes", check_tensor_shapes(refs, expected))
+    report.add("vocab_maps", check_vocab_maps(refs, cfg))
+    if module is formats.zlab:
+        report.add("sglang_full_vocab", check_sglang_full_vocab(refs))
+    report.add("weights_dtype", check_dtype(refs, cfg))
+    report.add("mask_embedding", check_mask_embedding(folder, cfg))
+    if problem is None:
+        report.add("finite_weights", check_finite(refs))
+    if use_target:
+        try:
+            target_checks(report, cfg, target)
+        except DFlashError as exc:
+            report.add("target", Fail(str(exc)))
+        except OSError as exc:
+            report.add("target", Fail(f"--target {target}: cannot read its config ({exc})"))
+    return report

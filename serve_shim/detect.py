@@ -1,0 +1,127 @@
+"""What the user pointed `dflash-serve` at: a drafter folder, a hub id, or a training run.
+
+Only convert's format detection is used here (style: serve_shim depends on convert's registry
+alone). A training run resolves to its newest complete checkpoint: `RUN/final/`, else the
+highest `RUN/checkpoints/step-N/` that holds a config.json and weights.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from convert.formats import detect_format, read_config_json
+from convert.weights import weight_files
+from dflash_train.errors import CheckpointError, DFlashError
+from dflash_train.model.config import DFlashConfig
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+EXPECTED = ("a speculators DFlash folder (config.json with `speculators_config`), a z-lab DFlash folder "
+            "(config.json with `dflash_config`), a hub id of either, or a training run folder "
+            "(RUN/final/ or RUN/checkpoints/step-N/ with config.json and model.safetensors)")
+
+
+class Drafter(BaseModel):
+    """A detected drafter: where it lives, its format and its config."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    location: str  # a local folder (absolute) or a hub id, as the engine should be given it
+    is_hub_id: bool
+    format: str  # a key of convert.formats.FORMATS
+    config: DFlashConfig
+    found: str  # how it was found, for messages and --dry-run
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def verifier(self) -> str | None:
+        return self.config.verifier_name_or_path
+
+
+def is_hub_id(text: str) -> bool:
+    """`ORG/NAME` that is not an existing local path."""
+    return bool(HUB_ID.match(text)) and not Path(text).exists()
+
+
+def _complete(folder: Path) -> bool:
+    if not (folder / "config.json").is_file():
+        return False
+    try:
+        weight_files(folder)
+    except CheckpointError:
+        return False
+    return True
+
+
+def newest_checkpoint(run: Path) -> Path | None:
+    """`run/final` if complete, else the complete `run/checkpoints/step-N` with the largest N."""
+    if _complete(run / "final"):
+        return run / "final"
+    steps = []
+    for child in (run / "checkpoints").glob("step-*") if (run / "checkpoints").is_dir() else ():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir() and _complete(child):
+            steps.append((int(match.group(1)), child))
+    return max(steps)[1] if steps else None
+
+
+def _describe(folder: Path) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    return f"found [{shown}]" if names else "the folder is empty"
+
+
+def _from_folder(folder: Path, found: str) -> Drafter:
+    module = detect_format(folder)  # raises CheckpointError naming what config.json holds
+    weight_files(folder)  # a drafter without weights cannot be served
+    config = module.read_config(folder)
+    return Drafter(location=str(folder.resolve()), is_hub_id=False, format=module.NAME, config=config, found=found)
+
+
+def fetch_hub_config(repo_id: str) -> Path:
+    """Download (or find in the HF cache) `config.json` of a hub repo; returns its folder."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json")).parent
+    except Exception as exc:  # huggingface_hub raises many types: offline, 404, gated, ...
+        raise CheckpointError(f"CHECKPOINT {repo_id}: not a local folder, and its config.json could not be "
+                              f"fetched from the hub ({type(exc).__name__}: {exc}); expected {EXPECTED}") from exc
+
+
+def detect_drafter(checkpoint: str, fetch_config: Callable[[str], Path] = fetch_hub_config) -> Drafter:
+    """Detect what CHECKPOINT is; refuse anything that is not a servable DFlash drafter."""
+    path = Path(checkpoint).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return _from_folder(path, f"{format_name(path)} drafter folder {path}")
+        newest = newest_checkpoint(path)
+        if newest is not None:
+            return _from_folder(newest, f"training run {path}: newest complete checkpoint {newest}")
+        raise CheckpointError(f"CHECKPOINT {path}: no config.json and no complete checkpoint "
+                              f"({_describe(path)}); expected {EXPECTED}")
+    if path.exists():
+        raise CheckpointError(f"CHECKPOINT {path}: is a file, not a folder; expected {EXPECTED}")
+    if not is_hub_id(checkpoint):
+        raise CheckpointError(f"CHECKPOINT {checkpoint}: no such folder and not a hub id (ORG/NAME); "
+                              f"expected {EXPECTED}")
+    folder = fetch_config(checkpoint)
+    config_dict = read_config_json(folder)
+    module = detect_format(folder)
+    config = module.from_config_dict(config_dict, f"{checkpoint}/config.json")
+    return Drafter(location=checkpoint, is_hub_id=True, format=module.NAME, config=config,
+                   found=f"{module.NAME} drafter on the hub {checkpoint}")
+
+
+def format_name(folder: Path) -> str:
+    try:
+        return detect_format(folder).NAME
+    except DFlashError:
+        return "unknown"

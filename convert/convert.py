@@ -20,13 +20,13 @@ from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.model.config import DFlashConfig
 
 from . import formats
+from .run_folder import find_drafter_folder
 from .stream import CODES, DTYPES, OutTensor, TensorRef, folder_refs, write_streaming
-from .weights import DEFAULT_MAX_SHARD_BYTES, atomic_folder, weight_files, write_json
+from .weights import DEFAULT_MAX_SHARD_BYTES, atomic_folder, write_json
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 # names other writers store beside the drafter; accepted on read and never written
 DROPPABLE = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d", "mask_hidden")
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 @dataclass
@@ -51,35 +51,16 @@ class ConvertResult:
 
 # ------------------------------------------------------------------------------------------
 # finding and reading the source
-def _is_checkpoint(folder: Path) -> bool:
-    if not (folder / "config.json").is_file():
-        return False
-    try:
-        weight_files(folder)
-    except CheckpointError:
-        return False
-    return True
-
-
 def resolve_source(src: str | Path) -> Path:
     """The checkpoint folder for `src`: itself, or a run folder's final/ or newest complete step."""
     src = Path(src)
     if not src.is_dir():
         raise CheckpointError(f"{src}: no such folder; give a drafter checkpoint or a training run folder")
-    if _is_checkpoint(src):
-        return src
-    candidates: list[Path] = []
-    if (src / "final").is_dir():
-        candidates.append(src / "final")
-    steps = sorted((p for p in (src / "checkpoints").glob("step-*") if _STEP.match(p.name)),
-                   key=lambda p: int(_STEP.match(p.name).group(1)), reverse=True) if (src / "checkpoints").is_dir() else []
-    candidates.extend(steps)
-    for folder in candidates:
-        for inner in (folder, folder / "drafter", folder / "model"):
-            if _is_checkpoint(inner):
-                return inner
-    raise CheckpointError(f"{src}: no config.json with weights here, no final/ and no complete "
-                          "checkpoints/step-*/ folder; give a drafter checkpoint or a run folder")
+    found = find_drafter_folder(src)
+    if found is None:
+        raise CheckpointError(f"{src}: no config.json with weights here, no final/ and no complete "
+                              "checkpoints/step-*/ folder; give a drafter checkpoint or a run folder")
+    return found
 
 
 def _patch_zlab_layer_ids(raw: dict[str, Any], refs: list[TensorRef], layer_ids: list[int] | None, where: str) -> None:

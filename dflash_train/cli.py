@@ -62,6 +62,164 @@ def init_drafter(output: Path = typer.Option(..., "--output", help="Folder to wr
     typer.echo(f"wrote {output}")
 
 
+@app.command("prepare")
+def prepare(data: str = typer.Option(..., "--data", help="Hub dataset id, local JSON/JSONL/Parquet file or folder, "
+                                     "or a shipped dataset: sharegpt, chitchat."),
+            output: Path = typer.Option(..., "--output", help="Folder to write the prepared dataset to."),
+            target: Optional[str] = typer.Option(None, "--target", help=TARGET_HELP),
+            max_samples: Optional[int] = typer.Option(None, "--max-samples", help="Read at most N conversations."),
+            max_length: int = typer.Option(2048, "--max-length", help="Truncate rendered rows to L tokens."),
+            split: Optional[str] = typer.Option(None, "--split", help="Hub dataset split (default: train)."),
+            subset: Optional[str] = typer.Option(None, "--subset", help="Hub dataset config name.")) -> None:
+    """Render conversations with the target's chat template; mask assistant tokens; count token frequencies."""
+    import json
+
+    from dflash_train.data.prepare import prepare_dataset
+
+    summary = prepare_dataset(target, data, output, max_samples=max_samples, max_length=max_length,
+                              split=split, subset=subset)
+    typer.echo(json.dumps({k: v for k, v in summary.items() if k != "inputs"}, indent=2))
+    typer.echo(f"wrote {output}")
+
+
+@app.command("regenerate")
+def regenerate(data: Path = typer.Option(..., "--data", help="A prepared dataset folder (from `prepare`)."),
+               output: Path = typer.Option(..., "--output", help="Folder to write the regenerated dataset to."),
+               target: Optional[str] = typer.Option(None, "--target", help=TARGET_HELP),
+               max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest answer per turn."),
+               temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+               thinking: Optional[str] = typer.Option(None, "--thinking", help="on|off: the template's "
+                                                      "enable_thinking (default: the template's default)."),
+               engine: str = typer.Option("hf", "--engine", help="hf (transformers generate) or vllm."),
+               batch_size: int = typer.Option(8, "--batch-size", help="Conversations generated together."),
+               seed: int = typer.Option(0, "--seed", help="Sampling seed.")) -> None:
+    """Replace every assistant turn with the target's own answer (resumable)."""
+    import json
+
+    from dflash_train.data.regenerate import regenerate_dataset
+    from dflash_train.errors import ConfigError
+
+    if thinking not in (None, "on", "off"):
+        raise ConfigError(f"--thinking {thinking!r}: use on or off")
+    summary = regenerate_dataset(target, data, output, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 thinking=None if thinking is None else thinking == "on", engine=engine,
+                                 batch_size=batch_size, seed=seed)
+    typer.echo(json.dumps({k: v for k, v in summary.items() if k != "inputs"}, indent=2))
+    typer.echo(f"wrote {output}")
+
+
+@app.command("features")
+def features(data: Path = typer.Option(..., "--data", help="A prepared dataset folder."),
+             output: Path = typer.Option(..., "--output", help="Feature cache folder (resumable)."),
+             target: Optional[str] = typer.Option(None, "--target", help=TARGET_HELP),
+             layer_ids: Optional[list[str]] = typer.Option(None, "--layer-ids", help="z-lab target layer ids, "
+                                                           "e.g. 1,8,14 or repeated (default: z-lab's choice of 5)."),
+             batch_size: int = typer.Option(8, "--batch-size", help="Rows per target forward."),
+             rows_per_shard: int = typer.Option(256, "--rows-per-shard", help="Rows per safetensors shard.")) -> None:
+    """Write offline target features (sharded safetensors + manifest)."""
+    from dflash_train.features.cache import FeatureCache, write_feature_cache
+
+    from dflash_train.errors import ConfigError
+
+    try:
+        ids = [int(x) for v in layer_ids or [] for x in v.replace(",", " ").split()]
+    except ValueError:
+        raise ConfigError(f"--layer-ids {layer_ids}: give integers, e.g. --layer-ids 1,8,14,20,27") from None
+    path = write_feature_cache(target, data, output, target_layer_ids=ids or None, batch_size=batch_size,
+                               rows_per_shard=rows_per_shard)
+    m = FeatureCache(path).manifest
+    typer.echo(f"wrote {path}: {m['num_rows']} rows, {m['num_tokens']} tokens, {len(m['shards'])} shards, "
+               f"layers {m['target_layer_ids']}")
+
+
+@app.command("train")
+def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see recipes/)."),
+          output: Optional[Path] = typer.Option(None, "--output", help="Run folder (default: runs/<recipe name>)."),
+          max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after N optimizer steps."),
+          save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps."),
+          resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint."),
+          overrides: list[str] = typer.Option([], "--set", help="Override a recipe field: --set optim.lr=1e-4."),
+          dry_run: bool = typer.Option(False, "--dry-run", help="Validate the recipe and print it; train nothing."),
+          local_rank: int = typer.Option(0, "--local_rank", "--local-rank", hidden=True,
+                                         help="Set by the deepspeed launcher.")) -> None:
+    """Train a drafter from a recipe; the drafter lands in OUTPUT/final (speculators format)."""
+    from dflash_train.train.recipe import load_recipe
+
+    flags = list(overrides)
+    if max_steps is not None:
+        flags.append(f"optim.max_steps={max_steps}")
+    if save_every is not None:
+        flags.append(f"checkpoint.save_every={save_every}")
+    resolved = load_recipe(config, flags)
+    if dry_run:
+        typer.echo(resolved.to_yaml(), nl=False)
+        return
+    from dflash_train.train.loop import train as run_training
+
+    out = output or Path("runs") / config.stem
+    summary = run_training(resolved, out, resume=resume)
+    if summary and resolved.recipe.eval.enabled:  # rank 0 only: other ranks return no summary
+        from dflash_train.eval.run import evaluate_run
+
+        ev = resolved.recipe.eval
+        report = evaluate_run(out, target=resolved.recipe.target, max_prompts=ev.max_prompts,
+                              max_new_tokens=ev.max_new_tokens)
+        typer.echo(f"held-out spec decode: tau={report['tau']:.3f} lossless={report['lossless']} "
+                   f"speedup={report['speedup']}")
+    if summary:
+        keys = ("steps", "train_loss", "val_loss", "val_accept_len", "wall_time_s")
+        typer.echo(" ".join(f"{k}={summary.get(k)}" for k in keys))
+        typer.echo(f"drafter: {summary['final']}")
+
+
+@app.command("eval")
+def eval_command(
+        draft: str = typer.Option(..., "--draft", help="Drafter folder (speculators or z-lab), or a trainer output "
+                                                       "folder (uses final/, else the newest checkpoints/step-*)."),
+        prompts: str = typer.Option(..., "--prompts", help="JSONL with `prompt` or `messages` rows, or any data "
+                                                           "source `prepare` accepts (user turns only are used)."),
+        target: Optional[str] = typer.Option(None, "--target", help=TARGET_HELP),
+        split: Optional[str] = typer.Option(None, "--split", help="Dataset split (hub datasets)."),
+        subset: Optional[str] = typer.Option(None, "--subset", help="Dataset subset/config (hub datasets)."),
+        num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use at most this many prompts."),
+        max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="New tokens per prompt (EOS stops earlier)."),
+        temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (checked lossless); > 0 samples "
+                                                                     "with the accept/reject rule."),
+        block_size: Optional[int] = typer.Option(None, "--block-size", help="Block size B <= the drafter's trained "
+                                                                            "block (default: trained)."),
+        seed: int = typer.Option(0, "--seed", help="Sampling seed (prompt i uses seed + i)."),
+        speedup: bool = typer.Option(True, "--speedup/--no-speedup", help="Time plain decoding for the speedup."),
+        mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="For z-lab drafters that name "
+                                                                                  "their mask only by string."),
+        dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+        device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, ... (default: cpu)."),
+        json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report here."),
+        plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the histogram and per-position rates."),
+) -> None:
+    """Speculative decoding with the drafter on real prompts: tau, acceptance, speedup, lossless check."""
+    from dflash_train.errors import ConfigError
+    from dflash_train.eval.report import summary_lines
+    from dflash_train.eval.run import EvalConfig, run_eval
+
+    try:
+        cfg = EvalConfig(draft=draft, target=target, prompts=prompts, split=split, subset=subset,
+                         num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                         block_size=block_size, seed=seed, measure_speedup=speedup, mask_token_id=mask_token_id,
+                         dtype=dtype, device=device, json_out=str(json_out) if json_out else None,
+                         plot=str(plot) if plot else None)
+    except ValueError as exc:
+        bad = "; ".join(f"--{str(e['loc'][0]).replace('_', '-')}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"eval: {bad}") from None
+    report = run_eval(cfg)
+    typer.echo(f"drafter {report['draft']} on {report['target']}: {len(report['prompts'])} prompts, "
+               f"{report['new_tokens']} new tokens, block size {report['settings']['block_size']}")
+    for line in summary_lines(report):
+        typer.echo(line)
+    for out in (json_out, plot):
+        if out:
+            typer.echo(f"wrote {out}")
+
+
 def main() -> None:
     run_cli(app)
 

@@ -14,12 +14,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from convert.formats import detect_format, read_config_json
+from convert.run_folder import newest_run_checkpoint
 from convert.weights import weight_files
 from dflash_train.errors import CheckpointError, DFlashError
 from dflash_train.model.config import DFlashConfig
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-STEP_DIR = re.compile(r"^step-(\d+)$")
 EXPECTED = ("a speculators DFlash folder (config.json with `speculators_config`), a z-lab DFlash folder "
             "(config.json with `dflash_config`), a hub id of either, or a training run folder "
             "(RUN/final/ or RUN/checkpoints/step-N/ with config.json and model.safetensors)")
@@ -48,28 +48,6 @@ class Drafter(BaseModel):
 def is_hub_id(text: str) -> bool:
     """`ORG/NAME` that is not an existing local path."""
     return bool(HUB_ID.match(text)) and not Path(text).exists()
-
-
-def _complete(folder: Path) -> bool:
-    if not (folder / "config.json").is_file():
-        return False
-    try:
-        weight_files(folder)
-    except CheckpointError:
-        return False
-    return True
-
-
-def newest_checkpoint(run: Path) -> Path | None:
-    """`run/final` if complete, else the complete `run/checkpoints/step-N` with the largest N."""
-    if _complete(run / "final"):
-        return run / "final"
-    steps = []
-    for child in (run / "checkpoints").glob("step-*") if (run / "checkpoints").is_dir() else ():
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir() and _complete(child):
-            steps.append((int(match.group(1)), child))
-    return max(steps)[1] if steps else None
 
 
 def _describe(folder: Path) -> str:
@@ -102,7 +80,7 @@ def detect_drafter(checkpoint: str, fetch_config: Callable[[str], Path] = fetch_
     if path.is_dir():
         if (path / "config.json").is_file():
             return _from_folder(path, f"{format_name(path)} drafter folder {path}")
-        newest = newest_checkpoint(path)
+        newest = newest_run_checkpoint(path)
         if newest is not None:
             return _from_folder(newest, f"training run {path}: newest complete checkpoint {newest}")
         raise CheckpointError(f"CHECKPOINT {path}: no config.json and no complete checkpoint "

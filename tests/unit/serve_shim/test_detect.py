@@ -6,8 +6,9 @@ import shutil
 
 import pytest
 
+from convert.run_folder import newest_run_checkpoint as newest_checkpoint
 from dflash_train.errors import CheckpointError
-from serve_shim.detect import detect_drafter, is_hub_id, newest_checkpoint
+from serve_shim.detect import detect_drafter, is_hub_id
 
 
 def test_speculators_folder(make_tiny_drafter):

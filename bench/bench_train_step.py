@@ -1,0 +1,106 @@
+"""Training-step throughput and peak memory on CPU: split attention + fused chunked LM head vs the
+naive dense-mask implementation (all logits at once), SmolLM2-shaped drafter (1 layer, hidden 576,
+vocab 49152), T=1024, 256 anchors, B=16. Each variant runs in its own subprocess so ru_maxrss is
+its own peak. Usage: python bench/bench_train_step.py [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+T, ANCHORS, B, H, V, NF = 1024, 256, 16, 576, 49152, 5
+
+
+def _setup():
+    import torch
+
+    from dflash_train.data.packing import Document
+    from dflash_train.model.config import DFlashConfig
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.train.batches import build_microbatch
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=H, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
+                       num_key_value_heads=3, head_dim=64, vocab_size=V, draft_vocab_size=V, target_hidden_size=H,
+                       num_target_layers=30, aux_hidden_state_layer_ids=[2, 9, 15, 21, 28], block_size=B,
+                       mask_token_id=16, rope_theta=100000.0, dtype="float32")
+    model = DFlashDraftModel(cfg)
+    model.init_weights(seed=0)
+    model.attach_target_weights(torch.randn(V, H) * 0.02, torch.randn(V, H) * 0.02)
+    mask = torch.zeros(T, dtype=torch.bool)
+    mask[64:] = True  # a prompt then the assistant answer
+    doc = Document(torch.randint(0, V, (T,)), mask, torch.randn(T, NF * H), torch.randint(0, V, (T,)))
+    mb = build_microbatch([doc], [0], block_size=B, anchors_per_document=ANCHORS, labels="greedy", seed=0, epoch=0)
+    return model, mb
+
+
+def _naive_loss(model, mb):
+    """Dense [N*B, T+N*B] mask attention and logits for every block position at once."""
+    import torch.nn.functional as F
+
+    from dflash_train.train.anchors import IGNORE
+
+    embeds = model.embed(model.block_ids(mb.packed.input_ids[mb.anchors]))
+    hidden = model.forward_train(mb.packed.features, embeds, mb.layout, attention="dense")
+    logits = model.logits(hidden).float()  # [N, B, V]
+    ce = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE, reduction="none")
+    return (ce * mb.weights.flatten()).sum()
+
+
+def run_variant(name: str, steps: int) -> dict:
+    import torch
+
+    from dflash_train.train.batches import microbatch_loss
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model, mb = _setup()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    positions = int((mb.labels != -100).sum())
+    times, losses = [], []
+    for i in range(steps + 1):  # first step is warm-up
+        t0 = time.perf_counter()
+        if name == "naive":
+            loss = _naive_loss(model, mb)
+        else:
+            loss, _ = microbatch_loss(model, mb, attention="split", chunk=1024)
+        (loss / mb.weight_sum).backward()
+        losses.append(float(loss) / mb.weight_sum)
+        opt.zero_grad(set_to_none=True)  # no update: every step measures the same loss
+        if i:
+            times.append(time.perf_counter() - t0)
+    step_s = sum(times) / len(times)
+    return {"variant": name, "step_s": step_s, "positions_per_s": positions / step_s, "loss": losses[0],
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args.variant, args.steps)))
+        return
+    results = {}
+    for name in ("naive", "ours"):
+        out = subprocess.run([sys.executable, __file__, "--variant", name, "--steps", str(args.steps)],
+                             capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    n, o = results["naive"], results["ours"]
+    print(f"T={T} anchors={ANCHORS} B={B} hidden={H} vocab={V} (1 draft layer), CPU, fp32, {args.steps} timed steps")
+    for r in (n, o):
+        print(f"  {r['variant']:6s} step {r['step_s']:.3f} s  {r['positions_per_s']:8.0f} positions/s  "
+              f"peak RSS {r['peak_rss_mb']:.0f} MB  loss {r['loss']:.6f}")
+    print(f"  speedup {n['step_s'] / o['step_s']:.2f}x (target >= 3x), memory {o['peak_rss_mb'] / n['peak_rss_mb']:.2f}x "
+          f"(target <= 0.3x), |loss diff| {abs(n['loss'] - o['loss']):.2e} (target <= 1e-4)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Finding the drafter inside a folder: a checkpoint itself, or a training run's newest one.
+
+A training run holds `final/` and `checkpoints/step-N/`; the drafter files sit at the top of
+those folders (or in one `drafter/` / `model/` subfolder for other trainers). A checkpoint is
+complete when it has a config.json and readable weight files.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from convert.weights import weight_files
+from dflash_train.errors import CheckpointError
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+_INNER = ("", "drafter", "model")
+
+
+def is_complete_checkpoint(folder: Path) -> bool:
+    if not (folder / "config.json").is_file():
+        return False
+    try:
+        weight_files(folder)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _complete_inside(folder: Path) -> Path | None:
+    for inner in _INNER:
+        candidate = folder / inner if inner else folder
+        if candidate.is_dir() and is_complete_checkpoint(candidate):
+            return candidate
+    return None
+
+
+def newest_run_checkpoint(run: Path) -> Path | None:
+    """`run/final` if complete, else the complete `run/checkpoints/step-N` with the largest N."""
+    run = Path(run)
+    if (found := _complete_inside(run / "final")) is not None:
+        return found
+    steps_dir = run / "checkpoints"
+    steps = sorted(((int(m.group(1)), p) for p in steps_dir.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))),
+                   reverse=True) if steps_dir.is_dir() else []
+    for _, step in steps:
+        if (found := _complete_inside(step)) is not None:
+            return found
+    return None
+
+
+def find_drafter_folder(path: str | Path) -> Path | None:
+    """`path` when it is a complete checkpoint, else a run folder's newest complete checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if is_complete_checkpoint(path):
+        return path
+    return newest_run_checkpoint(path)

@@ -1,0 +1,155 @@
+"""`dflash-train prepare`: conversations -> a tokenized, loss-masked `datasets` folder.
+
+Output folder (written to a temp folder, then renamed):
+- the `save_to_disk` dataset: `input_ids` (list[int]), `loss_mask` (list[int] 0/1), `messages`
+  (JSON string of the normalised conversation);
+- `token_freq.json`: counts of loss-masked tokens (for reduced draft vocabularies);
+- `prepare_summary.json`: rows kept, rows dropped by reason, tokens, supervised tokens, the
+  target path and the inputs. A rerun with the same inputs on a complete folder reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterable
+from itertools import chain
+from pathlib import Path
+
+from dflash_train.errors import DataError
+
+SUMMARY_FILE = "prepare_summary.json"
+REQUIRED_COLUMNS = ("input_ids", "loss_mask", "messages")
+
+
+def prepare_dataset(target: str | None, source: str, output: str | Path, max_samples: int | None = None,
+                    max_length: int = 2048, split: str | None = None, subset: str | None = None) -> dict:
+    from dflash_train.data.sources import load_conversations
+    from dflash_train.features.target import load_tokenizer, resolve_target
+
+    target_path = resolve_target(target)
+    inputs = {"command": "prepare", "target": target_path, "source": _source_id(source),
+              "max_samples": max_samples, "max_length": max_length, "split": split, "subset": subset}
+    cached = cached_summary(output, inputs)
+    if cached is not None:
+        return cached
+    tokenizer = load_tokenizer(target_path)
+    conversations = load_conversations(source, split=split, subset=subset, max_samples=max_samples)
+    return write_prepared(conversations, tokenizer, output, inputs, max_length=max_length)
+
+
+def write_prepared(conversations: Iterable[list[dict]], tokenizer, output: str | Path, inputs: dict,
+                   max_length: int = 2048, thinking: bool | None = None, extra: dict | None = None) -> dict:
+    """Render, mask, count and save atomically; shared by prepare and regenerate."""
+    import datasets
+    from tqdm import tqdm
+
+    from dflash_train.data.render import ChatRenderer
+    from dflash_train.data.vocab import TOKEN_FREQ_FILE, count_token_frequencies, write_token_freq
+
+    renderer = ChatRenderer(tokenizer, max_length=max_length, thinking=thinking)
+    conversations = list(conversations)
+    if not conversations:
+        raise DataError("the dataset is empty: no conversations to prepare")
+    rows = {"input_ids": [], "loss_mask": [], "messages": []}
+    dropped: Counter[str] = Counter()
+    truncated = 0
+    for messages in tqdm(conversations, desc="render", unit="conv", mininterval=1.0):
+        row = renderer.render(messages)
+        if isinstance(row, str):
+            dropped[row] += 1
+            continue
+        truncated += row.truncated
+        rows["input_ids"].append(row.input_ids)
+        rows["loss_mask"].append(row.loss_mask)
+        rows["messages"].append(json.dumps(messages, ensure_ascii=False))
+    if not rows["input_ids"]:
+        raise DataError(f"no usable conversation: all {len(conversations)} were dropped ({dict(dropped)}); "
+                        "check that the data has assistant turns and that --max-length is large enough")
+    vocab = max(len(tokenizer), max(max(r) for r in rows["input_ids"]) + 1)
+    # one flat pair: counting row by row costs a vocab-sized bincount per row
+    flat = (list(chain.from_iterable(rows["input_ids"])), list(chain.from_iterable(rows["loss_mask"])))
+    counts = count_token_frequencies([flat], vocab)
+    summary = {
+        "rows": len(rows["input_ids"]),
+        "rows_in": len(conversations),
+        "rows_dropped": dict(dropped),
+        "rows_truncated": truncated,
+        "tokens": sum(len(r) for r in rows["input_ids"]),
+        "supervised_tokens": int(counts.sum()),
+        "target": inputs.get("target"),
+        "chat_template_path": "generation-markers" if renderer.markers else "rendered-prefixes",
+        "thinking": thinking,
+        "inputs": inputs,
+        **(extra or {}),
+    }
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                  "loss_mask": datasets.List(datasets.Value("int8")),
+                                  "messages": datasets.Value("string")})
+    ds = datasets.Dataset.from_dict(rows, features=features)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        ds.save_to_disk(str(tmp))
+        write_token_freq(tmp / TOKEN_FREQ_FILE, counts)
+        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.rename(output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def cached_summary(output: str | Path, inputs: dict) -> dict | None:
+    """The summary of a complete output folder written from the same inputs, else None."""
+    path = Path(output) / SUMMARY_FILE
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if summary.get("inputs") != json.loads(json.dumps(inputs)):
+        return None
+    if not (Path(output) / "dataset_info.json").is_file():
+        return None
+    return {**summary, "cached": True}
+
+
+def _source_id(source: str) -> str:
+    p = Path(source)
+    if p.exists():
+        st = p.stat()
+        return f"{p.resolve()}@{st.st_size}:{int(st.st_mtime)}"
+    return str(source)
+
+
+def load_prepared(path: str | Path):
+    """The prepared `datasets.Dataset` at `path`, with its columns checked."""
+    import datasets
+
+    path = Path(path)
+    if not (path / "dataset_info.json").is_file() and not (path / "state.json").is_file():
+        raise DataError(f"--data {path}: not a prepared dataset folder; run `dflash-train prepare --output {path}` first")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise DataError(f"--data {path}: cannot load the dataset ({exc}); rerun `dflash-train prepare`") from exc
+    if isinstance(ds, datasets.DatasetDict):
+        raise DataError(f"--data {path}: holds several splits ({list(ds)}); give one split's folder")
+    missing = [c for c in ("input_ids", "loss_mask") if c not in ds.column_names]
+    if missing:
+        raise DataError(f"--data {path}: missing column(s) {missing} (has {ds.column_names}); "
+                        "rerun `dflash-train prepare`")
+    if len(ds) == 0:
+        raise DataError(f"--data {path}: the dataset is empty")
+    return ds
+
+
+def read_summary(path: str | Path) -> dict:
+    p = Path(path) / SUMMARY_FILE
+    return json.loads(p.read_text()) if p.is_file() else {}

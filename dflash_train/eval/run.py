@@ -1,0 +1,104 @@
+"""`dflash-train eval`: load a drafter (any format, or a trainer run folder) and its target, run
+speculative decoding on prompts, write the JSON report and the plot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dflash_train.errors import CheckpointError, ConfigError
+
+
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    draft: str
+    target: str | None = None
+    prompts: str
+    split: str | None = None
+    subset: str | None = None
+    num_prompts: int | None = Field(default=None, ge=1)
+    max_new_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    block_size: int | None = Field(default=None, ge=2)
+    seed: int = 0
+    measure_speedup: bool = True
+    mask_token_id: int | None = None
+    dtype: str = "float32"
+    device: str | None = None
+    json_out: str | None = None
+    plot: str | None = None
+
+
+def resolve_drafter_dir(path: str | Path) -> Path:
+    """A drafter folder, or a trainer output folder: its `final/`, else its newest `checkpoints/step-*`."""
+    from convert.run_folder import find_drafter_folder
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"--draft {path}: no such folder")
+    found = find_drafter_folder(path)
+    if found is None:
+        raise CheckpointError(f"--draft {path}: not a drafter folder (no config.json with weights) and no "
+                              "`final/` or `checkpoints/step-*/` drafter inside; pass a speculators or z-lab "
+                              "drafter folder or a trainer output folder")
+    return found
+
+
+def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
+    """Load, evaluate, write the outputs named in `cfg`; returns the report (with `draft`/`target`)."""
+    import torch
+
+    from dflash_train.eval.prompts import load_prompts
+    from dflash_train.eval.report import plot_report, write_report_json
+    from dflash_train.eval.spec_decode import evaluate
+    from dflash_train.features.target import load_target, resolve_target
+    from dflash_train.model.checkpoint import DTYPES, load_drafter, read_drafter_config
+
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}")
+    dtype = DTYPES[cfg.dtype]
+    draft_dir = resolve_drafter_dir(cfg.draft)
+    trained = read_drafter_config(draft_dir, mask_token_id=cfg.mask_token_id).block_size
+    if cfg.block_size is not None and cfg.block_size > trained:  # fail before loading anything heavy
+        raise ConfigError(f"--block-size {cfg.block_size}: larger than the drafter's trained block_size {trained} "
+                          f"({draft_dir / 'config.json'}); pass at most {trained}")
+    prompts = load_prompts(cfg.prompts, cfg.split, cfg.subset, cfg.num_prompts)
+    target, tokenizer = load_target(cfg.target, dtype=dtype, device=cfg.device)
+    draft = load_drafter(draft_dir, target_config=target.config, dtype=dtype, mask_token_id=cfg.mask_token_id)
+    draft.to(next(target.parameters()).device).eval().attach_target(target)
+    torch.manual_seed(cfg.seed)
+    report = evaluate(draft, target, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens,
+                      temperature=cfg.temperature, block_size=cfg.block_size, seed=cfg.seed,
+                      measure_speedup=cfg.measure_speedup, progress=progress)
+    report["draft"] = str(draft_dir)
+    report["target"] = resolve_target(cfg.target)
+    report["settings"].update(prompts=cfg.prompts, dtype=cfg.dtype)
+    if cfg.json_out:
+        write_report_json(report, cfg.json_out)
+    if cfg.plot:
+        plot_report(report, cfg.plot)
+    return report
+
+
+def evaluate_run(run_dir: str | Path, target: str | None = None, max_prompts: int = 20,
+                 max_new_tokens: int = 128, progress: bool = True) -> dict:
+    """Evaluate a training run's drafter on its held-out prompts; write RUN/eval.json, RUN/eval.png
+    and the headline numbers into RUN/summary.json under `eval`."""
+    import json
+
+    from convert.weights import write_json
+
+    run = Path(run_dir)
+    report = run_eval(EvalConfig(draft=str(run), target=target, prompts=str(run / "holdout_rows.json"),
+                                 num_prompts=max_prompts, max_new_tokens=max_new_tokens,
+                                 json_out=str(run / "eval.json"), plot=str(run / "eval.png")), progress=progress)
+    headline = {k: report[k] for k in ("tau", "per_position", "histogram", "speedup", "lossless") if k in report}
+    headline.update(prompts=max_prompts, max_new_tokens=max_new_tokens, report=str(run / "eval.json"))
+    summary_path = run / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary["eval"] = headline
+    write_json(summary_path, summary)
+    return report

@@ -1,0 +1,90 @@
+"""Anchors, block labels and slot weights (training.md, "Anchors and blocks" and "Loss").
+
+An anchor a is a position with loss_mask[a] and loss_mask[a+1] set inside one document. Its
+block is `[x_a, MASK x (B-1)]` at positions a..a+B-1; slot k (k >= 1) is trained on the token
+at a+k: the target's greedy token there (`greedy_next[a+k-1]`) or the dataset token
+(`input_ids[a+k]`). Slot 0, positions past the document end and positions outside the loss
+mask carry no loss (label -100).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+IGNORE = -100
+
+# gamma of the paper for its block sizes; other sizes interpolate linearly between these
+# points and extrapolate with the slope of the nearest segment (never below 1)
+_GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def gamma_for_block_size(block_size: int) -> float:
+    """Decay gamma of w_k = exp(-(k-1)/gamma): 4 for B=8, 5 for B=10, 7 for B=16.
+
+    Other block sizes: piecewise-linear through those three points, extended with the slope of
+    the end segments (B=4 -> 2.0, B=12 -> 5.67, B=32 -> 12.33), floored at 1.
+    """
+    pts = _GAMMA_POINTS
+    if block_size <= pts[1][0]:
+        (b0, g0), (b1, g1) = pts[0], pts[1]
+    else:
+        (b0, g0), (b1, g1) = pts[1], pts[2]
+    gamma = g0 + (block_size - b0) * (g1 - g0) / (b1 - b0)
+    return max(1.0, gamma)
+
+
+def slot_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """[B] weights: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
+    gamma = gamma or gamma_for_block_size(block_size)
+    w = torch.tensor([0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)])
+    return w
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions a of one document with loss_mask[a] and loss_mask[a+1] set."""
+    m = loss_mask.bool()
+    if m.numel() < 2:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.nonzero(m[:-1] & m[1:]).flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, budget: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to `budget` candidate anchors of one document, without replacement, sorted."""
+    cand = anchor_candidates(loss_mask)
+    if cand.numel() > budget:
+        pick = torch.randperm(cand.numel(), generator=generator)[:budget]
+        cand = cand[pick]
+    return torch.sort(cand).values
+
+
+def anchor_generator(seed: int, epoch: int, row: int) -> torch.Generator:
+    """A generator determined by (seed, epoch, prepared row): resampled every epoch, resumable."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_000_019 + row)
+
+
+def block_labels(anchors: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                 greedy_next: torch.Tensor | None, doc_end: torch.Tensor, block_size: int,
+                 labels: str = "greedy") -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels [N, B] (IGNORE where no loss) and source positions [N, B] (a+k-1, the position whose
+    target prediction is the label; used to gather target logits for KL).
+
+    anchors index a packed row; doc_end[n] is one past the last token of anchor n's document.
+    """
+    k = torch.arange(block_size)
+    pos = anchors[:, None] + k  # a + k
+    valid = (k[None, :] >= 1) & (pos < doc_end[:, None])
+    safe = pos.clamp(max=input_ids.numel() - 1)
+    valid &= loss_mask.bool()[safe]
+    if labels == "greedy":
+        if greedy_next is None:
+            raise ValueError("labels: greedy needs the target's greedy tokens")
+        src = (safe - 1).clamp(min=0)
+        lab = greedy_next[src]
+    elif labels == "dataset":
+        lab = input_ids[safe]
+    else:
+        raise ValueError(f"labels {labels!r}: choose greedy or dataset")
+    lab = torch.where(valid, lab, torch.full_like(lab, IGNORE))
+    return lab, (safe - 1).clamp(min=0)

@@ -1,0 +1,90 @@
+"""Documents -> one packed micro-batch -> anchors, labels, layout -> the weighted loss.
+
+Anchors are sampled per document (a per-row budget would starve short documents), with a
+generator fixed by (seed, epoch, prepared row) so a resumed run samples the same anchors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.data.packing import Document, PackedBatch, pack_documents
+from dflash_train.model.modeling_dflash import DFlashDraftModel, TrainLayout, train_layout
+from dflash_train.train.anchors import IGNORE, anchor_generator, block_labels, sample_anchors, slot_weights
+from dflash_train.train.loss import BlockStats, block_stats, head_loss
+
+
+@dataclass
+class MicroBatch:
+    packed: PackedBatch
+    anchors: torch.Tensor  # [N] indices into the packed row
+    labels: torch.Tensor  # [N, B] target ids, IGNORE where no loss
+    weights: torch.Tensor  # [N, B] slot weight where labelled, else 0
+    layout: TrainLayout
+    target_logp: torch.Tensor | None = None  # [M, V] target log-probs at the labelled slots (kl)
+
+    @property
+    def weight_sum(self) -> float:
+        return float(self.weights.sum())
+
+
+def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, anchors_per_document: int,
+                     labels: str, seed: int, epoch: int, gamma: float | None = None,
+                     target_logits: list[torch.Tensor] | None = None) -> MicroBatch:
+    """Pack `docs` (prepared rows `rows`) and lay out their blocks.
+
+    target_logits: per document [T_i, V] target logits, needed for the kl loss.
+    """
+    packed = pack_documents(docs)
+    starts = [0]
+    for d in docs[:-1]:
+        starts.append(starts[-1] + len(d))
+    per_doc = [sample_anchors(d.loss_mask, anchors_per_document, anchor_generator(seed, epoch, row)) + s
+               for d, row, s in zip(docs, rows, starts, strict=False)]
+    anchors = torch.cat(per_doc) if per_doc else torch.zeros(0, dtype=torch.long)
+    lab, src = block_labels(anchors, packed.input_ids, packed.loss_mask, packed.greedy_next,
+                            packed.doc_end[anchors], block_size, labels)
+    weights = slot_weights(block_size, gamma)[None, :].expand_as(lab) * (lab != IGNORE)
+    layout = train_layout(anchors, packed.doc_start[anchors], packed.positions, block_size)
+    target_logp = None
+    if target_logits is not None:
+        logits = torch.cat([t.float() for t in target_logits])
+        target_logp = torch.log_softmax(logits[src[lab != IGNORE]], dim=-1)
+    return MicroBatch(packed, anchors, lab, weights, layout, target_logp)
+
+
+def head_weight(model: DFlashDraftModel) -> torch.Tensor:
+    """The LM head the drafter scores with: its own (reduced vocab) or the target's, frozen."""
+    if model.lm_head is not None:
+        return model.lm_head.weight
+    if model._target_lm_head is None:
+        raise RuntimeError("call attach_target(target_model) before training")
+    return model._target_lm_head
+
+
+def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce", attention: str = "split",
+                    chunk: int | None = 1024) -> tuple[torch.Tensor, BlockStats]:
+    """Unnormalised weighted loss sum of one micro-batch (differentiable) and its stats."""
+    if mb.anchors.numel() == 0:  # no supervised pair in these documents: a zero that still has a graph
+        zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        return zero, BlockStats.zeros(model.config.block_size)
+    device = model.fc.weight.device
+    first = mb.packed.input_ids[mb.anchors]
+    embeds = model.embed(model.block_ids(first).to(device))
+    layout = mb.layout
+    if layout.anchors.device != device:
+        layout = TrainLayout(*(t.to(device) for t in (layout.anchors, layout.doc_start, layout.ctx_positions,
+                                                      layout.block_positions)))
+    hidden = model.forward_train(mb.packed.features.to(device), embeds, layout, attention=attention)
+    valid = mb.labels != IGNORE
+    labels = model.target_to_draft(mb.labels[valid].to(device))
+    keep = labels != IGNORE  # reduced vocab: labels outside it cannot be scored
+    w = mb.weights[valid].to(device) * keep
+    target_logp = mb.target_logp.to(device) if mb.target_logp is not None else None
+    loss_sum, preds = head_loss(hidden[valid.to(device)], head_weight(model), labels.clamp(min=0), w,
+                                kind=loss, target_logp=target_logp, chunk=chunk)
+    preds = model.draft_to_target(preds)
+    stats = block_stats(loss_sum, mb.labels, mb.weights, preds.cpu())
+    return loss_sum, stats

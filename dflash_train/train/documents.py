@@ -1,0 +1,159 @@
+"""The recipe's data section as training documents.
+
+1. Prepared rows: an existing folder (`data.prepared`), or the data stage's prepare (and
+   regenerate) run once and cached under `$DFLASH_CACHE/data/<key>/`.
+2. A deterministic held-out split of those rows (`data.holdout_fraction`).
+3. Documents with context features and greedy tokens: `online` (target forward every time),
+   `memory` (computed once per row, kept in RAM) or `offline` (the data stage's feature cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from dflash_train.data.packing import Document
+from dflash_train.errors import DataError, MissingDependencyError
+from dflash_train.train.recipe import DataConfig
+
+
+def _key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def data_cache_root(data: DataConfig, target_path: str) -> Path:
+    from dflash_train.features.target import cache_dir
+
+    base = Path(data.cache_dir) if data.cache_dir else cache_dir() / "data"
+    ident = {"target": target_path, **data.model_dump(mode="json", exclude={"features", "holdout_fraction",
+                                                                             "cache_dir", "feature_cache"})}
+    return base / _key(ident)
+
+
+def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
+    """The folder of prepared (and possibly regenerated) rows, building and caching it if needed."""
+    if data.prepared:
+        path = Path(data.prepared)
+        if not path.exists():
+            raise DataError(f"data.prepared: {path} does not exist; run `dflash-train prepare` or set data.source")
+        return path
+    from dflash_train.data.prepare import prepare_dataset
+
+    root = data_cache_root(data, target_path)
+    prepared = root / "prepared"
+    prepare_dataset(target_path, data.source, prepared, max_samples=data.max_samples, max_length=data.max_length,
+                    split=data.split, subset=data.subset)
+    if not data.regenerate.enabled:
+        return prepared
+    from dflash_train.data.regenerate import regenerate_dataset
+
+    regen = root / "regenerated"
+    r = data.regenerate
+    regenerate_dataset(target_path, prepared, regen, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                       thinking=r.thinking, engine=r.engine, batch_size=r.batch_size, seed=seed)
+    return regen
+
+
+def load_rows(path: Path):
+    from dflash_train.data.prepare import load_prepared
+
+    return load_prepared(path)
+
+
+def holdout_split(num_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train rows, held-out rows): a fixed random fraction of rows, sorted; seeded, so reproducible."""
+    k = 0 if fraction <= 0 else max(1, int(round(num_rows * fraction)))
+    if num_rows - k < 1:
+        raise DataError(f"data.holdout_fraction {fraction} leaves no training rows out of {num_rows}")
+    held = sorted(random.Random(f"holdout-{seed}").sample(range(num_rows), k))
+    held_set = set(held)
+    return [i for i in range(num_rows) if i not in held_set], held
+
+
+class DocumentSource:
+    """Documents (features + greedy tokens) for prepared rows, with optional target logits."""
+
+    def __init__(self, rows, mode: str, target_model=None, target_layer_ids=None, feature_cache=None,
+                 want_logits: bool = False, target_hidden: int | None = None):
+        self.rows = rows
+        self.mode = mode
+        self.want_logits = want_logits
+        self.lengths = [len(x) for x in rows["input_ids"]]
+        self.cache = feature_cache
+        self.layer_ids = list(target_layer_ids)
+        self.expected_dim = None if target_hidden is None else len(self.layer_ids) * target_hidden
+        self._memory: dict[int, tuple[Document, torch.Tensor | None]] = {}
+        self._extract = None
+        if mode in ("online", "memory"):
+            from dflash_train.features.extract import TargetFeatures
+
+            self._extract = TargetFeatures(target_model, self.layer_ids)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def get(self, idx: list[int]) -> tuple[list[Document], list[torch.Tensor] | None]:
+        if self.mode == "offline":
+            docs = [self._check(self.cache.document(i), i) for i in idx]
+            return docs, None
+        todo = [i for i in idx if i not in self._memory]
+        if todo:
+            computed = self._compute(todo)
+            if self.mode == "memory":
+                self._memory.update(computed)
+        else:
+            computed = {}
+        pairs = [self._memory.get(i) or computed[i] for i in idx]
+        docs = [p[0] for p in pairs]
+        return docs, ([p[1] for p in pairs] if self.want_logits else None)
+
+    def _check(self, doc: Document, i: int) -> Document:
+        if self.expected_dim is not None and doc.features.shape[-1] != self.expected_dim:
+            raise DataError(f"feature cache row {i}: features have width {doc.features.shape[-1]} but this "
+                            f"target and layer ids need {self.expected_dim}; the cache was written for another "
+                            "target or other layer ids: rebuild it or drop data.feature_cache")
+        return doc
+
+    @torch.no_grad()
+    def _compute(self, idx: list[int]) -> dict[int, tuple[Document, torch.Tensor | None]]:
+        """One padded target forward over the rows (right padding keeps positions exact)."""
+        ids = [torch.tensor(self.rows[i]["input_ids"], dtype=torch.long) for i in idx]
+        n = max(len(x) for x in ids)
+        batch = torch.zeros(len(ids), n, dtype=torch.long)
+        attn = torch.zeros(len(ids), n, dtype=torch.long)
+        for j, x in enumerate(ids):
+            batch[j, :len(x)] = x
+            attn[j, :len(x)] = 1
+        device = next(self._extract.model.parameters()).device
+        out = self._extract(batch.to(device), attention_mask=attn.to(device), with_next_tokens=True,
+                            return_logits=self.want_logits)
+        result = {}
+        store = torch.bfloat16 if self.mode == "memory" else out.features.dtype
+        for j, (i, x) in enumerate(zip(idx, ids, strict=False)):
+            t = len(x)
+            mask = torch.tensor(self.rows[i]["loss_mask"], dtype=torch.bool)
+            doc = Document(input_ids=x, loss_mask=mask, features=out.features[j, :t].to(store).cpu(),
+                           greedy_next=out.next_tokens[j, :t].cpu())
+            logits = out.logits[j, :t].to(torch.bfloat16).cpu() if self.want_logits else None
+            result[i] = (doc, logits)
+        return result
+
+
+def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int]):
+    """The data stage's FeatureCache for these rows and layer ids (written once if missing)."""
+    try:
+        from dflash_train.features.cache import FeatureCache, write_feature_cache
+    except ImportError as exc:
+        raise MissingDependencyError("data.features: offline needs dflash_train.features.cache (not installed in "
+                                     "this checkout); use data.features: memory or online") from exc
+    if data.feature_cache:
+        path = Path(data.feature_cache)
+    else:
+        path = data_cache_root(data, target_path) / f"features-{'-'.join(map(str, layer_ids))}"
+        if not path.exists():
+            write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids)
+    return FeatureCache(path, target=target_path, target_layer_ids=layer_ids)

@@ -1,0 +1,142 @@
+"""DeepSpeed as the training engine: process group, engine, optimizer and schedule.
+
+Single process by default: without a launcher we create a gloo world of one ourselves, which
+also avoids DeepSpeed's communication op build (`deepspeed.init_distributed` compiles a C++
+op on CPU). Under `deepspeed` or `torchrun` the launcher's environment gives rank and world.
+The optimizer is `torch.optim.AdamW` handed to DeepSpeed as the client optimizer (no op
+build); `engine.optimizer: deepspeed` selects DeepSpeed's own fused/CPU Adam instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.train.recipe import TrainRecipe
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> World:
+    import torch.distributed as dist
+
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not launched:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return float(t[0])
+
+
+def use_bf16(recipe: TrainRecipe) -> bool:
+    p = recipe.engine.precision
+    return p == "bf16" or (p == "auto" and torch.cuda.is_available())
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, schedule: str, min_ratio: float):
+    warmup = int(math.ceil(total_steps * warmup_ratio))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if schedule == "linear":
+            return min_ratio + (1 - min_ratio) * (1 - progress)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def deepspeed_config(recipe: TrainRecipe) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": recipe.batch.grad_accum,
+        "gradient_clipping": recipe.optim.grad_clip,
+        "zero_optimization": {"stage": recipe.engine.zero_stage},
+        "bf16": {"enabled": use_bf16(recipe)},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if recipe.engine.optimizer == "deepspeed":
+        o = recipe.optim
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas),
+                                                       "weight_decay": o.weight_decay}}
+    return cfg
+
+
+def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
+    """(engine, scheduler). The scheduler steps once per optimizer step, inside engine.step()."""
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = recipe.optim
+    optimizer = None
+    if recipe.engine.optimizer == "torch":
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    scheduler_fn = lr_lambda(total_steps, o.warmup_ratio, o.schedule, o.min_lr_ratio)
+
+    def make_scheduler(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, scheduler_fn)
+
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=params, optimizer=optimizer, config=deepspeed_config(recipe),
+        lr_scheduler=make_scheduler, dist_init_required=False)
+    return engine, scheduler
+
+
+@contextmanager
+def gathered_params(engine):
+    """Full parameters on every rank for the duration (ZeRO-3 partitions them)."""
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            yield
+    else:
+        yield

@@ -1,0 +1,252 @@
+"""The training run: setup, one step function, one loop, teardown.
+
+A global step is `grad_accum` micro-batches on each of `world` ranks. Micro-batch j of global
+step s on rank r is bin `s * G + j * world + r` (G = grad_accum * world) of its epoch's plan, so
+1 rank x 2 accumulation steps and 2 ranks x 1 see the same documents. The loss of every
+micro-batch is divided by the sum of slot weights over the whole global batch (all ranks, all
+accumulation steps; one all_reduce before the forwards), so the update does not depend on how
+the batch is split.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_train.data.packing import plan_microbatches
+from dflash_train.errors import ConfigError
+from dflash_train.train import checkpointing as ckpt
+from dflash_train.train.batches import build_microbatch, microbatch_loss
+from dflash_train.train.documents import DocumentSource, holdout_split, load_rows, offline_cache, prepared_rows
+from dflash_train.train.engine import World, all_reduce_sum, barrier, build_engine, init_distributed
+from dflash_train.train.loss import BlockStats
+from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
+from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, load_recipe
+
+
+class StepPlan:
+    """Which prepared rows every (global step, micro-batch, rank) trains on; epochs re-shuffled."""
+
+    def __init__(self, rows: list[int], lengths: list[int], recipe: TrainRecipe, world: int):
+        self.rows, self.lengths = rows, lengths
+        self.budget, self.seed = recipe.batch.tokens_per_microbatch, recipe.seed
+        self.group = recipe.batch.grad_accum * world
+        self._bins: dict[int, list[list[int]]] = {}
+        if len(self.bins(0)) < self.group:
+            raise ConfigError(f"batch: {len(rows)} training rows make {len(self.bins(0))} micro-batches of "
+                              f"{self.budget} tokens, fewer than grad_accum x ranks = {self.group}; lower "
+                              "batch.tokens_per_microbatch or batch.grad_accum, or add data")
+        o = recipe.optim
+        full, frac = int(o.epochs), o.epochs - int(o.epochs)
+        self.total = sum(self.steps_in(e) for e in range(full)) + int(frac * self.steps_in(full))
+        self.total = max(1, self.total) if o.max_steps is None else o.max_steps
+
+    def bins(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._bins:
+            self._bins[epoch] = plan_microbatches(self.lengths, self.budget, self.seed, epoch)
+        return self._bins[epoch]
+
+    def steps_in(self, epoch: int) -> int:
+        return len(self.bins(epoch)) // self.group
+
+    def locate(self, step: int) -> tuple[int, int]:
+        epoch = 0
+        while step >= self.steps_in(epoch):
+            step -= self.steps_in(epoch)
+            epoch += 1
+        return epoch, step
+
+    def rows_for(self, step: int, micro: int, rank: int, world: int) -> tuple[int, list[int]]:
+        epoch, s = self.locate(step)
+        b = self.bins(epoch)[s * self.group + micro * world + rank]
+        return epoch, [self.rows[i] for i in b]
+
+
+def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], epoch: int):
+    docs, logits = source.get(rows)
+    o = recipe.objective
+    return build_microbatch(docs, rows, block_size=recipe.drafter.block_size, anchors_per_document=o.anchors_per_document,
+                            labels=o.labels, seed=recipe.seed, epoch=epoch, gamma=o.gamma, target_logits=logits)
+
+
+def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPlan, world: World,
+               step: int) -> tuple[BlockStats, int]:
+    """One optimizer step; returns the global stats and the number of tokens the step read."""
+    mbs, tokens = [], 0
+    for micro in range(recipe.batch.grad_accum):
+        epoch, rows = plan.rows_for(step, micro, world.rank, world.size)
+        mbs.append(_microbatch(recipe, source, rows, epoch))
+        tokens += mbs[-1].packed.input_ids.numel()
+    global_weight = all_reduce_sum(sum(mb.weight_sum for mb in mbs))
+    stats = BlockStats.zeros(recipe.drafter.block_size)
+    o = recipe.objective
+    for mb in mbs:
+        loss_sum, st = microbatch_loss(engine.module, mb, loss=o.loss, attention=o.attention, chunk=o.logits_chunk)
+        # DeepSpeed averages gradients over ranks: multiply by world to keep a global sum / global weight
+        engine.backward(loss_sum * (world.size / max(global_weight, 1e-12)), scale_wrt_gas=False)
+        engine.step()
+        stats.add(st)
+    return stats.all_reduce(), int(all_reduce_sum(tokens))
+
+
+@torch.no_grad()
+def validate(engine, recipe: TrainRecipe, source: DocumentSource, held: list[int], world: World) -> dict | None:
+    """Loss, accuracy per position and acceptance length on held-out rows (fixed anchors)."""
+    rows = held[: recipe.logging.eval_documents]
+    if not rows:
+        return None
+    bins = plan_microbatches([source.lengths[i] for i in rows], recipe.batch.tokens_per_microbatch, recipe.seed, 0)
+    stats = BlockStats.zeros(recipe.drafter.block_size)
+    engine.module.eval()
+    for b in bins[world.rank::world.size]:
+        mb = _microbatch(recipe, source, [rows[i] for i in b], epoch=0)
+        o = recipe.objective
+        stats.add(microbatch_loss(engine.module, mb, loss=o.loss, attention=o.attention, chunk=o.logits_chunk)[1])
+    engine.module.train()
+    return stats.all_reduce().summary()
+
+
+def _check_output(output: Path, resolved: ResolvedRecipe, resume: bool) -> None:
+    """Refuse to overwrite another run; on --resume refuse a run trained with other settings."""
+    cfg_file = output / "resolved_config.yaml"
+    if not cfg_file.is_file():
+        if output.is_dir() and any(output.iterdir()) and not resume:
+            raise ConfigError(f"--output {output}: folder is not empty and holds no training run; choose an empty "
+                              "or new folder")
+        return
+    previous = load_recipe(cfg_file)
+    if previous.identity() != resolved.identity():
+        old, new = previous.identity(), resolved.identity()
+        diff = next(k for k in old if old[k] != new[k])
+        raise ConfigError(f"--output {output}: holds a different run (its `{diff}` section differs from this "
+                          "recipe); choose a new --output (nothing was overwritten)")
+    if not resume:
+        raise ConfigError(f"--output {output}: holds a run already; pass --resume to continue it or choose a new "
+                          "--output (nothing was overwritten)")
+
+
+def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer):
+    from dflash_train.features.layer_ids import check_target_layer_ids
+    from dflash_train.features.mask_token import check_mask_token_id
+    from dflash_train.model.checkpoint import load_drafter
+    from dflash_train.model.init import drafter_config_for_target
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+
+    d, tc = recipe.drafter, target_model.config.get_text_config()
+    if d.target_layer_ids is not None:
+        check_target_layer_ids(d.target_layer_ids, tc.num_hidden_layers, "drafter.target_layer_ids")
+    if d.mask_token_id is not None:
+        check_mask_token_id(d.mask_token_id, tokenizer, tc.vocab_size, "drafter.mask_token_id")
+    if d.init_from:
+        model = load_drafter(d.init_from, target_config=target_model.config)
+        if model.config.block_size != d.block_size:
+            raise ConfigError(f"drafter.init_from {d.init_from}: block_size {model.config.block_size} differs from "
+                              f"drafter.block_size {d.block_size}")
+        return model
+    cfg = drafter_config_for_target(recipe.target, num_layers=d.num_layers, block_size=d.block_size,
+                                    mask_token_id=d.mask_token_id, num_features=d.num_features,
+                                    target_layer_ids=d.target_layer_ids, intermediate_size=d.intermediate_size,
+                                    dtype=d.dtype)
+    model = DFlashDraftModel(cfg)
+    model.init_weights(seed=recipe.seed)
+    return model
+
+
+def train(resolved: ResolvedRecipe, output: str | Path, resume: bool = False) -> dict:
+    """Train a drafter as the recipe says; returns the summary written to OUTPUT/summary.json."""
+    from convert.weights import write_json
+    from dflash_train.features.target import load_target, resolve_target
+
+    t_start = time.time()
+    recipe, output = resolved.recipe, Path(output)
+    world = init_distributed()
+    _check_output(output, resolved, resume)
+    random.seed(recipe.seed)
+    torch.manual_seed(recipe.seed)
+
+    # setup: target, drafter, data, engine -------------------------------------------------
+    target_path = resolve_target(recipe.target)
+    gpu = world.device.type == "cuda"
+    target_model, tokenizer = load_target(target_path, dtype=torch.bfloat16 if gpu else torch.float32,
+                                          device=str(world.device))
+    drafter = _build_drafter(recipe, target_path, target_model, tokenizer).to(world.device)
+    if world.is_main:  # rank 0 prepares and caches; the others then read the cache
+        data_path = prepared_rows(recipe.data, target_path, recipe.seed)
+    barrier()
+    data_path = prepared_rows(recipe.data, target_path, recipe.seed) if not world.is_main else data_path
+    rows = load_rows(data_path)
+    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.seed)
+    cache = None
+    if recipe.data.features == "offline":
+        cache = offline_cache(recipe.data, target_path, data_path, drafter.config.target_layer_ids)
+    source = DocumentSource(rows, recipe.data.features, target_model, drafter.config.target_layer_ids, cache,
+                            want_logits=recipe.objective.loss == "kl",
+                            target_hidden=target_model.config.get_text_config().hidden_size)
+    plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size)
+    engine, scheduler = build_engine(drafter, recipe, plan.total)
+    engine.module.attach_target(target_model)
+
+    state = {"step": 0, "tokens": 0, "positions": 0, "history": []}
+    latest = ckpt.latest_checkpoint(output) if resume else None
+    if latest is not None:
+        state = ckpt.load_checkpoint(engine, world, latest)
+    config_yaml = resolved.to_yaml()
+    if world.is_main:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "resolved_config.yaml").write_text(config_yaml)
+        write_json(output / "holdout_rows.json", {"data": str(data_path), "rows": held, "num_rows": len(rows)})
+    log = RunLog(output, world.is_main, state["history"])
+    progress = Progress(plan.total, state["step"], world.is_main and recipe.logging.progress)
+
+    def save(step: int) -> None:
+        snapshot = {"step": step, "tokens": state["tokens"], "positions": state["positions"],
+                    "epoch": plan.locate(step)[0] if step < plan.total else None, "history": log.history}
+        ckpt.save_checkpoint(engine, world, output, step, snapshot, config_yaml, recipe.checkpoint.keep_last,
+                             recipe.drafter.dtype)
+
+    # the loop -------------------------------------------------------------------------------
+    window = BlockStats.zeros(recipe.drafter.block_size)
+    for step in range(state["step"], plan.total):
+        stats, tokens = train_step(engine, recipe, source, plan, world, step)
+        state["tokens"] += tokens
+        state["positions"] += int(stats.valid.sum())
+        window.add(stats)
+        done = step + 1
+        progress.update(int(stats.valid.sum()), stats.summary(), scheduler.get_last_lr()[0])
+        if done % recipe.logging.log_every == 0 or done == plan.total:
+            log.record(done, "train", window.summary(), {"lr": scheduler.get_last_lr()[0], "tokens": state["tokens"]})
+            window = BlockStats.zeros(recipe.drafter.block_size)
+        if done % recipe.logging.eval_every == 0 or done == plan.total:
+            val = validate(engine, recipe, source, held, world)
+            if val is not None:
+                log.record(done, "val", val)
+        if done % recipe.checkpoint.save_every == 0 or done == plan.total:
+            save(done)
+    progress.close()
+
+    # teardown: final drafter, curves, summary -------------------------------------------------
+    final = ckpt.save_final(engine, world, output, recipe.drafter.dtype)
+    summary = {}
+    if world.is_main:
+        train_last, val_last = log.last("train"), log.last("val")
+        summary = {
+            "target": str(recipe.target or target_path), "data": str(data_path),
+            "data_source": recipe.data.source or recipe.data.prepared,
+            "steps": plan.total, "tokens": state["tokens"], "trained_positions": state["positions"],
+            "train_loss": train_last and train_last["loss"], "val_loss": val_last and val_last["loss"],
+            "train_acc_per_position": train_last and train_last["acc"],
+            "val_acc_per_position": val_last and val_last["acc"],
+            "train_accept_len": train_last and train_last["accept_len"],
+            "val_accept_len": val_last and val_last["accept_len"],
+            "holdout_rows": len(held), "train_rows": len(train_rows), "world_size": world.size,
+            "wall_time_s": round(time.time() - t_start, 2), "final": str(final), "eval": None,
+        }
+        write_summary(output / "summary.json", summary)
+        plot_curves(log.history, output / "curves.png")
+    log.close()
+    barrier()
+    return summary

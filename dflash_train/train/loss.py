@@ -1,0 +1,165 @@
+"""The weighted block loss with a chunked, fused LM head, and the block metrics.
+
+The LM head over a large vocabulary dominates memory: logits for anchors*B positions would be
+[N*B, V]. Only positions that carry a loss get logits at all (slot 0, outside the loss mask
+and past the document end are dropped before the head), and those are processed `chunk`
+positions at a time. For every chunk the forward computes the loss *and* its gradient with
+respect to the hidden states (softmax - target is closed-form), so a chunk's logits are freed
+before the next chunk starts and the backward pass never recomputes them (cheaper than
+activation checkpointing, which runs the head twice).
+
+Loss sums are weighted (w_k, anchors.slot_weights) and left unnormalised; the caller divides by
+the sum of weights over the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+from dflash_train.train.anchors import IGNORE
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, target_logp, chunk, kind):
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        m = hidden.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        preds = torch.empty(m, dtype=torch.long, device=hidden.device)
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        w32 = weight.float() if weight.dtype != torch.float32 else weight
+        for s in range(0, m, chunk):
+            e = min(m, s + chunk)
+            h = hidden[s:e].float()
+            logits = h @ w32.t()
+            preds[s:e] = logits.argmax(-1)
+            logp = torch.log_softmax(logits, dim=-1)
+            del logits
+            wt = weights[s:e].float()
+            if kind == "ce":
+                lab = labels[s:e]
+                per = -logp.gather(1, lab[:, None]).squeeze(1)
+                total += (wt * per).sum()
+                if want_h or want_w:
+                    d = logp.exp_()  # softmax, in place
+                    d[torch.arange(e - s, device=d.device), lab] -= 1.0
+            else:  # kl(target || draft) = sum p (log p - log q)
+                tl = target_logp[s:e].float()
+                p = tl.exp()
+                per = (p * (tl - logp)).sum(-1)
+                total += (wt * per).sum()
+                if want_h or want_w:
+                    d = logp.exp_() - p
+                del tl, p
+            if want_h or want_w:
+                d.mul_(wt[:, None])
+                if want_h:
+                    grad_h[s:e] = d @ w32
+                if want_w:
+                    grad_w += d.t() @ h
+                del d
+            del logp
+        ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
+                              grad_w if grad_w is not None else torch.empty(0))
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(preds)
+        return total, preds
+
+    @staticmethod
+    def backward(ctx, g_total, _g_preds):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = (grad_h * g_total).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+        gw = (grad_w * g_total).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+        return gh, gw, None, None, None, None, None
+
+
+def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+              kind: str = "ce", target_logp: torch.Tensor | None = None,
+              chunk: int | None = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted loss sum over M positions and the argmax predictions [M].
+
+    hidden [M, H] post-norm; weight [V, H] LM head; labels [M] (draft ids); weights [M];
+    target_logp [M, V] target log-probabilities for kind="kl".
+    """
+    if kind not in ("ce", "kl"):
+        raise ValueError(f"loss {kind!r}: choose ce or kl")
+    if kind == "kl" and target_logp is None:
+        raise ValueError("loss kl needs target log-probabilities")
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.long, device=hidden.device)
+    chunk = hidden.shape[0] if not chunk else int(chunk)
+    return _FusedHeadLoss.apply(hidden, weight, labels, weights, target_logp, chunk, kind)
+
+
+def reference_head_loss(hidden, weight, labels, weights, kind="ce", target_logp=None):
+    """The naive version (all logits at once, plain autograd): the test and bench reference."""
+    logits = hidden.float() @ weight.float().t()
+    logp = torch.log_softmax(logits, -1)
+    if kind == "ce":
+        per = F.nll_loss(logp, labels, reduction="none")
+    else:
+        p = target_logp.float().exp()
+        per = (p * (target_logp.float() - logp)).sum(-1)
+    return (weights.float() * per).sum(), logits.argmax(-1)
+
+
+@dataclass
+class BlockStats:
+    """Sums that aggregate over micro-batches and ranks (all tensors, all_reduce-able)."""
+
+    loss_sum: torch.Tensor  # weighted loss sum
+    weight_sum: torch.Tensor
+    correct: torch.Tensor  # [B] per-slot correct counts
+    valid: torch.Tensor  # [B] per-slot counts of positions with a label
+    accept_sum: torch.Tensor  # sum over blocks of 1 + leading correct slots
+    blocks: torch.Tensor  # number of blocks
+
+    @classmethod
+    def zeros(cls, block_size: int) -> BlockStats:
+        z = torch.zeros((), dtype=torch.float64)
+        return cls(z.clone(), z.clone(), torch.zeros(block_size, dtype=torch.float64),
+                   torch.zeros(block_size, dtype=torch.float64), z.clone(), z.clone())
+
+    def add(self, other: BlockStats) -> BlockStats:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name).detach().double().cpu())
+        return self
+
+    def all_reduce(self) -> BlockStats:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flat = torch.cat([getattr(self, f.name).reshape(-1) for f in fields(self)])
+            dist.all_reduce(flat)
+            i = 0
+            for f in fields(self):
+                t = getattr(self, f.name)
+                setattr(self, f.name, flat[i:i + t.numel()].reshape(t.shape))
+                i += t.numel()
+        return self
+
+    def summary(self) -> dict:
+        """loss (normalised), per-slot accuracy (slots 1..B-1) and mean acceptance length."""
+        acc = (self.correct / self.valid.clamp(min=1))[1:]
+        return {"loss": float(self.loss_sum / self.weight_sum.clamp(min=1e-12)),
+                "acc": [round(float(a), 6) for a in acc],
+                "accept_len": float(self.accept_sum / self.blocks.clamp(min=1)),
+                "positions": int(self.valid.sum())}
+
+
+def block_stats(loss_sum: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, preds: torch.Tensor) -> BlockStats:
+    """Stats of N blocks: labels [N, B] (IGNORE = no loss), weights [N, B], preds [M] for the
+    valid positions in row-major order."""
+    valid = labels != IGNORE
+    correct = torch.zeros_like(valid)
+    correct[valid] = preds == labels[valid]
+    # acceptance: 1 + leading slots (from slot 1) that have a label and are predicted right
+    run = torch.cumprod((correct & valid)[:, 1:].long(), dim=1).sum(1)
+    return BlockStats(loss_sum=loss_sum.detach().double(), weight_sum=weights[valid].sum().double(),
+                      correct=correct.sum(0).double(), valid=valid.sum(0).double(),
+                      accept_sum=(1 + run).sum().double(), blocks=torch.tensor(float(labels.shape[0]),
+                                                                                dtype=torch.float64))

@@ -1,0 +1,107 @@
+"""Run records: TensorBoard scalars, a progress bar, the curves PNG and summary.json."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from convert.weights import write_json
+
+
+class RunLog:
+    """Metric history (kept in checkpoints so a resumed run continues its curves) and TB logging."""
+
+    def __init__(self, output: Path, enabled: bool, history: list[dict] | None = None):
+        self.output = Path(output)
+        self.enabled = enabled
+        self.history: list[dict] = list(history or [])
+        self._tb = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.output / "tensorboard"))
+
+    def record(self, step: int, split: str, stats: dict, extra: dict | None = None) -> None:
+        entry = {"step": step, "split": split, **stats, **(extra or {})}
+        self.history.append(entry)
+        if self._tb is None:
+            return
+        self._tb.add_scalar(f"{split}/loss", stats["loss"], step)
+        self._tb.add_scalar(f"{split}/accept_len", stats["accept_len"], step)
+        for k, a in enumerate(stats["acc"], start=1):
+            self._tb.add_scalar(f"{split}/acc_pos{k}", a, step)
+        for key, value in (extra or {}).items():
+            if isinstance(value, (int, float)):
+                self._tb.add_scalar(f"{split}/{key}", value, step)
+
+    def last(self, split: str) -> dict | None:
+        for entry in reversed(self.history):
+            if entry["split"] == split:
+                return entry
+        return None
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+
+
+class Progress:
+    """tqdm bar over optimizer steps showing loss, acceptance, trained positions/s and ETA."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.bar = None
+        self.t0 = time.time()
+        self.start = start
+        self.positions = 0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, positions: int, stats: dict, lr: float) -> None:
+        self.positions += positions
+        if self.bar is None:
+            return
+        rate = self.positions / max(1e-9, time.time() - self.t0)
+        self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['accept_len']:.2f}", lr=f"{lr:.2e}",
+                             tok_s=f"{rate:.0f}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plot_curves(history: list[dict], path: Path) -> None:
+    """Loss and acceptance curves (train and val) and the last per-position accuracy, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for split, style in (("train", "-"), ("val", "o-")):
+        rows = [h for h in history if h["split"] == split]
+        if not rows:
+            continue
+        steps = [h["step"] for h in rows]
+        axes[0].plot(steps, [h["loss"] for h in rows], style, label=split)
+        axes[1].plot(steps, [h["accept_len"] for h in rows], style, label=split)
+        last = rows[-1]["acc"]
+        axes[2].plot(range(1, len(last) + 1), last, style, label=f"{split} (step {rows[-1]['step']})")
+    axes[0].set(title="loss", xlabel="step")
+    axes[1].set(title="block acceptance length", xlabel="step")
+    axes[2].set(title="accuracy per position", xlabel="slot k", ylim=(0, 1))
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    write_json(path, summary)

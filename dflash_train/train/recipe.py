@@ -1,0 +1,252 @@
+"""The training recipe: a typed schema, YAML loading, dotted overrides and provenance.
+
+Precedence: `--set a.b=c` overrides (values parsed as YAML) > the recipe file > defaults.
+Unknown or mistyped fields are errors naming the dotted path. The resolved config is written
+to the run folder with, on every line, the layer that set the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dflash_train.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RegenerateConfig(_Section):
+    enabled: bool = True
+    max_new_tokens: int = Field(256, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    thinking: bool | None = None
+    engine: str = "hf"
+    batch_size: int = Field(8, gt=0)
+
+
+class DataConfig(_Section):
+    source: str | None = None  # dataset name or path for the data stage's prepare_dataset
+    prepared: str | None = None  # an already prepared folder (skips prepare and regenerate)
+    max_samples: int | None = Field(None, gt=0)
+    max_length: int = Field(2048, gt=1)
+    split: str | None = None
+    subset: str | None = None
+    regenerate: RegenerateConfig = RegenerateConfig(enabled=False)
+    # online: target forward every step; memory: computed once, kept in RAM; offline: feature cache on disk
+    features: Literal["online", "memory", "offline"] = "online"
+    feature_cache: str | None = None  # an existing offline cache folder (features: offline)
+    holdout_fraction: float = Field(0.05, ge=0, lt=1)
+    cache_dir: str | None = None  # where prepared data is cached (default $DFLASH_CACHE/data)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.source is None and self.prepared is None:
+            raise ValueError("data: set `source` (a dataset to prepare) or `prepared` (a prepared folder)")
+        return self
+
+
+class DrafterConfig(_Section):
+    num_layers: int = Field(1, gt=0)
+    block_size: int = Field(16, ge=2)
+    mask_token_id: int | None = Field(None, ge=0)
+    num_features: int = Field(5, gt=0)
+    target_layer_ids: list[int] | None = None  # z-lab ids (aux - 1); default: z-lab's choice
+    intermediate_size: int | None = Field(None, gt=0)
+    init_from: str | None = None  # start from a saved drafter folder
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # dtype of saved drafters
+
+
+class ObjectiveConfig(_Section):
+    loss: Literal["ce", "kl"] = "ce"
+    labels: Literal["greedy", "dataset"] = "greedy"
+    anchors_per_document: int = Field(512, gt=0)
+    gamma: float | None = Field(None, gt=0)  # default: by block size (see anchors.gamma_for_block_size)
+    attention: Literal["split", "dense", "flex"] = "split"
+    logits_chunk: int = Field(1024, gt=0)  # positions per LM-head chunk
+
+
+class OptimConfig(_Section):
+    lr: float = Field(6e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+
+
+class BatchConfig(_Section):
+    tokens_per_microbatch: int = Field(4096, gt=1)  # one packed row of documents
+    grad_accum: int = Field(1, gt=0)
+
+
+class EngineConfig(_Section):
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    optimizer: Literal["torch", "deepspeed"] = "torch"  # torch: AdamW as DeepSpeed's client optimizer
+    num_gpus: int = Field(1, gt=0)  # documentation for the launch command; the launcher sets the world
+
+
+class CheckpointConfig(_Section):
+    save_every: int = Field(500, gt=0)
+    keep_last: int = Field(3, gt=0)
+
+
+class LoggingConfig(_Section):
+    log_every: int = Field(10, gt=0)
+    eval_every: int = Field(200, gt=0)
+    eval_documents: int = Field(64, gt=0)  # held-out documents used for validation metrics
+    progress: bool = True
+
+
+class EvalConfig(_Section):
+    enabled: bool = False
+    max_prompts: int = Field(20, gt=0)
+    max_new_tokens: int = Field(128, gt=0)
+
+
+class TrainRecipe(_Section):
+    target: str | None = None  # HF folder or hub id; None: the embedded SmolLM2-135M-Instruct
+    seed: int = 0
+    data: DataConfig
+    drafter: DrafterConfig = DrafterConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    optim: OptimConfig = OptimConfig()
+    batch: BatchConfig = BatchConfig()
+    engine: EngineConfig = EngineConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _combinations(self) -> TrainRecipe:
+        if self.objective.loss == "kl" and self.data.features == "offline":
+            raise ValueError("objective.loss: kl needs the target's logits; use data.features: online or memory")
+        return self
+
+
+# fields that define what is trained: a run folder can only be resumed with the same values
+RUN_IDENTITY = ("target", "seed", "data", "drafter", "objective", "batch")
+
+
+def _format_errors(exc: ValidationError, where: str) -> str:
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown field (check its spelling against `dflash-train train --help`)")
+        else:
+            lines.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
+    return f"{where}: " + "; ".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value with a dotted key, e.g. --set optim.lr=1e-4")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML ({exc})") from exc
+    if isinstance(value, str) and _looks_numeric(value):
+        value = float(value)  # YAML 1.1 reads "1e-4" as a string
+    return key.strip().split("."), value
+
+
+def _looks_numeric(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def _set_dotted(tree: dict, keys: list[str], value: Any, flag: str) -> None:
+    node = tree
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {flag}: `{k}` is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_leaves(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+class ResolvedRecipe:
+    """A validated recipe plus the layer (default / recipe file / --set) of every field."""
+
+    def __init__(self, recipe: TrainRecipe, sources: dict[str, str]):
+        self.recipe = recipe
+        self.sources = sources
+
+    def to_yaml(self) -> str:
+        """YAML of the resolved config; every leaf line ends with `# <layer>`."""
+        return "".join(_emit(self.recipe.model_dump(mode="json"), self.sources, "", 0))
+
+    def identity(self) -> dict:
+        data = self.recipe.model_dump(mode="json")
+        return {k: data[k] for k in RUN_IDENTITY}
+
+
+def _emit(tree: dict, sources: dict[str, str], prefix: str, indent: int):
+    pad = "  " * indent
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield f"{pad}{key}:\n"
+            yield from _emit(value, sources, path + ".", indent + 1)
+        else:
+            text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+            if text.endswith("\n...") or text.endswith("..."):
+                text = text.replace("\n...", "").removesuffix("...").strip()
+            yield f"{pad}{key}: {text}  # {sources.get(path, 'default')}\n"
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
+                base: dict | None = None) -> ResolvedRecipe:
+    """Read a recipe YAML (or `base`), apply `key=value` overrides, validate."""
+    tree: dict = {}
+    where = "recipe"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"--config {path}: file not found") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: a recipe is a mapping of sections (data:, drafter:, ...)")
+        tree = loaded or {}
+    elif base is not None:
+        tree = base
+    sources = {k: "recipe" for k in _leaves(tree)}
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        _set_dotted(tree, keys, value, item)
+        for k in list(sources):
+            if k == ".".join(keys) or k.startswith(".".join(keys) + "."):
+                del sources[k]
+        for k in _leaves({".".join(keys): value}) if not isinstance(value, dict) else _leaves(value, ".".join(keys) + "."):
+            sources[k] = "--set"
+    try:
+        recipe = TrainRecipe.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, where)) from None
+    return ResolvedRecipe(recipe, sources)

@@ -1,0 +1,57 @@
+"""The installed `dflash-train prepare / regenerate / features` commands in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def run(*args):
+    exe = shutil.which("dflash-train")
+    assert exe, "dflash-train is not installed (pip install -e .)"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_prepare_then_features_then_errors(tmp_path):
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"Count to {i}.", "response": " ".join(map(str, range(1, i + 2)))})
+                           + "\n" for i in range(4)))
+    r = run("prepare", "--data", str(src), "--output", str(tmp_path / "p"), "--max-length", "40")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "p" / "prepare_summary.json").read_text())
+    assert summary["rows"] == 4 and summary["supervised_tokens"] > 4
+    assert (tmp_path / "p" / "token_freq.json").is_file()
+
+    r = run("features", "--data", str(tmp_path / "p"), "--output", str(tmp_path / "f"),
+            "--layer-ids", "2,9", "--rows-per-shard", "3", "--batch-size", "2")
+    assert r.returncode == 0, r.stderr
+    assert "4 rows" in r.stdout and "2 shards" in r.stdout
+    m = json.loads((tmp_path / "f" / "manifest.json").read_text())
+    assert m["complete"] and m["target_layer_ids"] == [2, 9] and m["feature_dim"] == 2 * 576
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "x"}) + "\n")
+    r = run("prepare", "--data", str(bad), "--output", str(tmp_path / "b"))
+    assert r.returncode == 2 and "unknown schema" in r.stderr and "['text']" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "b").exists()
+
+    r = run("regenerate", "--data", str(tmp_path / "p"), "--output", str(tmp_path / "r"), "--engine", "vllm")
+    assert r.returncode == 2 and "serve" in r.stderr
+
+
+@pytest.mark.slow
+def test_regenerate_cli(tmp_path):
+    r = run("prepare", "--data", "chitchat", "--output", str(tmp_path / "p"), "--max-samples", "6",
+            "--max-length", "64")
+    assert r.returncode == 0, r.stderr
+    r = run("regenerate", "--data", str(tmp_path / "p"), "--output", str(tmp_path / "r"),
+            "--max-new-tokens", "4", "--batch-size", "4")
+    assert r.returncode == 0, r.stderr
+    assert "tok_s=" in r.stderr  # the progress bar reports rows and tokens per second
+    s = json.loads((tmp_path / "r" / "prepare_summary.json").read_text())
+    assert s["rows"] >= 1 and s["regeneration"]["turns"] >= 1 and s["inputs"]["command"] == "regenerate"

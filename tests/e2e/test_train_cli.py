@@ -1,0 +1,53 @@
+"""`dflash-train train` on the real SmolLM2 target: a few steps, a servable drafter in OUTPUT/final."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_train_cli_on_smollm2(tmp_path, smollm2_path, smollm2):
+    from conftest import make_train_prepared
+
+    from dflash_train.model.checkpoint import load_drafter
+
+    rows = make_train_prepared(tmp_path / "rows", smollm2_path, n=12)
+    recipe = tmp_path / "demo.yaml"
+    recipe.write_text(f"""# target: SmolLM2 (embedded)
+data: {{prepared: {rows}, features: memory, holdout_fraction: 0.25}}
+drafter: {{num_layers: 1, block_size: 8, mask_token_id: 16}}
+objective: {{anchors_per_document: 32, logits_chunk: 256}}
+optim: {{lr: 1.0e-3, epochs: 1}}
+batch: {{tokens_per_microbatch: 512}}
+logging: {{log_every: 1, eval_every: 100, progress: false}}
+eval: {{enabled: true, max_prompts: 2, max_new_tokens: 8}}
+""")
+    out = tmp_path / "run"
+    res = subprocess.run([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out),
+                          "--max-steps", "3", "--save-every", "2"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "drafter:" in res.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["val_loss"] is not None and len(summary["val_acc_per_position"]) == 7
+    assert 0 < summary["train_loss"] < 100 and 1.0 <= summary["val_accept_len"] <= 8.0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    model, _ = smollm2
+    draft = load_drafter(out / "final", target_config=model.config)
+    assert draft.config.block_size == 8 and draft.config.aux_hidden_state_layer_ids == [2, 9, 15, 21, 28]
+    assert (out / "curves.png").is_file() and (out / "resolved_config.yaml").is_file()
+
+    # the end-of-training spec-decode check ran on held-out rows only, and its numbers are in the summary
+    held = json.loads((out / "holdout_rows.json").read_text())["rows"]
+    report = json.loads((out / "eval.json").read_text())
+    assert len(report["prompts"]) == 2 and len(held) >= 2
+    assert summary["eval"]["tau"] == report["tau"] and 1.0 <= report["tau"] <= 8.0
+    assert summary["eval"]["lossless"] is True and report["draft"] == str(out / "final")
+    assert (out / "eval.png").is_file()

@@ -1,0 +1,74 @@
+"""prepare_dataset: output folder, summary counts, token frequencies, cache reuse, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_train.data.prepare import SUMMARY_FILE, load_prepared, prepare_dataset
+from dflash_train.data.vocab import read_token_freq
+from dflash_train.errors import DataError
+
+LONG = "word " * 400
+CONVS = [
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]},
+    {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"},
+                       {"from": "human", "value": "3+3?"}, {"from": "gpt", "value": "6"}]},
+    {"messages": [{"role": "user", "content": "nobody answers"}]},
+    {"prompt": LONG, "response": "too late"},  # the answer starts after max_length
+    {"prompt": "long answer please", "response": LONG},  # truncated but kept
+]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_prepare_writes_dataset_freqs_and_summary(tmp_path, smollm2_path):
+    src = write_jsonl(tmp_path / "chats.jsonl", CONVS)
+    out = tmp_path / "prepared"
+    summary = prepare_dataset(None, src, out, max_length=96)
+    assert summary["rows"] == 3 and summary["rows_in"] == 5
+    assert summary["rows_dropped"] == {"no_assistant_turn": 1, "no_supervised_tokens_after_truncation": 1}
+    assert summary["rows_truncated"] == 1
+    ds = load_prepared(out)
+    assert set(ds.column_names) >= {"input_ids", "loss_mask", "messages"} and len(ds) == 3
+    assert all(len(r) <= 96 for r in ds["input_ids"])
+    assert all(set(m) <= {0, 1} for m in ds["loss_mask"])
+    assert json.loads(ds[1]["messages"])[-1] == {"role": "assistant", "content": "6"}
+    # token frequencies count exactly the supervised tokens
+    counts = read_token_freq(out)
+    sup = [t for ids, m in zip(ds["input_ids"], ds["loss_mask"], strict=True) for t, k in zip(ids, m, strict=True) if k]
+    assert int(counts.sum()) == len(sup) == summary["supervised_tokens"]
+    # <|im_end|> closes every turn but the truncated one
+    assert int(counts[2]) == sum(1 for t in sup if t == 2) == 3
+    assert summary["tokens"] == sum(len(r) for r in ds["input_ids"])
+    on_disk = json.loads((out / SUMMARY_FILE).read_text())
+    assert on_disk["target"] == str(smollm2_path) and on_disk["inputs"]["max_length"] == 96
+
+    # same inputs: reused, not rewritten; other inputs: rewritten
+    stamp = (out / "dataset_info.json").stat().st_mtime_ns
+    again = prepare_dataset(None, src, out, max_length=96)
+    assert again.get("cached") and (out / "dataset_info.json").stat().st_mtime_ns == stamp
+    other = prepare_dataset(None, src, out, max_length=600)
+    assert not other.get("cached") and other["rows"] == 4
+
+
+def test_all_rows_dropped_is_an_error_and_writes_nothing(tmp_path):
+    src = write_jsonl(tmp_path / "none.jsonl", [CONVS[2], CONVS[2]])
+    with pytest.raises(DataError, match="all 2 were dropped"):
+        prepare_dataset(None, src, tmp_path / "out", max_length=64)
+    assert not (tmp_path / "out").exists()
+    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_load_prepared_rejects_bad_folders(tmp_path):
+    import datasets
+
+    with pytest.raises(DataError, match="not a prepared dataset"):
+        load_prepared(tmp_path)
+    datasets.Dataset.from_dict({"input_ids": [[1, 2]]}).save_to_disk(str(tmp_path / "no_mask"))
+    with pytest.raises(DataError, match=r"missing column\(s\) \['loss_mask'\]"):
+        load_prepared(tmp_path / "no_mask")

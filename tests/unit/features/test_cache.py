@@ -1,0 +1,148 @@
+"""Offline feature cache on the real SmolLM2 target: layout, validation, resume, online equivalence."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash_train.data.packing import pack_documents
+from dflash_train.data.prepare import load_prepared, write_prepared
+from dflash_train.errors import DataError
+from dflash_train.features.cache import MANIFEST_FILE, FeatureCache, shard_batches, write_feature_cache
+from dflash_train.features.online import OnlineFeatures
+
+LAYERS = [1, 8, 14, 20, 27]
+
+
+def conversations(n):
+    return [[{"role": "user", "content": f"What is {i} times {i + 2}?"},
+             {"role": "assistant", "content": f"{i} times {i + 2} is {i * (i + 2)}."}] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, smollm2_path):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("cache-data") / "rows"
+    write_prepared(conversations(7), AutoTokenizer.from_pretrained(str(smollm2_path)), folder,
+                   {"command": "test"}, max_length=48)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, prepared, smollm2):
+    out = tmp_path_factory.mktemp("cache") / "features"
+    return write_feature_cache(None, prepared, out, batch_size=3, rows_per_shard=4, model=smollm2[0])
+
+
+def test_layout_and_manifest(cache, prepared):
+    m = json.loads((cache / MANIFEST_FILE).read_text())
+    assert m["complete"] and m["num_rows"] == 7 and m["target_layer_ids"] == LAYERS
+    assert m["aux_hidden_state_layer_ids"] == [t + 1 for t in LAYERS] and m["dtype"] == "bfloat16"
+    assert m["target"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and len(m["target_revision"]) == 16
+    assert [s["rows"] for s in m["shards"]] == [[0, 4], [4, 7]]
+    ds = load_prepared(prepared)
+    assert m["num_tokens"] == sum(len(r) for r in ds["input_ids"])
+    fc = FeatureCache(cache, target=None, target_layer_ids=LAYERS)
+    fc.verify()
+    assert len(fc) == 7 and fc.lengths() == [len(r) for r in ds["input_ids"]]
+    for i in range(7):
+        d = fc.document(i)
+        assert d.input_ids.tolist() == ds[i]["input_ids"] and d.loss_mask.int().tolist() == ds[i]["loss_mask"]
+        assert d.features.dtype == torch.bfloat16 and d.features.shape == (len(d), 5 * 576)
+
+
+def test_offline_and_online_give_identical_training_batches(cache, smollm2):
+    """Decision: the cache stores bf16; online features rounded to bf16 in the same batches are bit-identical,
+    and computed one by one they differ from the cache by at most one bf16 rounding step."""
+    fc = FeatureCache(cache)
+    offline = [fc.document(i) for i in range(len(fc))]
+    online = OnlineFeatures(smollm2[0], LAYERS, storage_dtype=torch.bfloat16)
+    rows = [(d.input_ids, d.loss_mask) for d in offline]
+    same_batches = [None] * len(rows)
+    for lo in (0, 4):  # the writer's shards and batches
+        shard = rows[lo: lo + 4]
+        for idx in shard_batches([len(r[0]) for r in shard], 3):
+            for j, doc in zip(idx, online.documents([shard[j] for j in idx]), strict=True):
+                same_batches[lo + j] = doc
+    a, b = pack_documents(offline), pack_documents(same_batches)
+    for field in ("input_ids", "loss_mask", "features", "greedy_next", "doc_ids", "positions", "doc_start", "doc_end"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    c = pack_documents([online.document(*r) for r in rows])
+    assert torch.equal(a.greedy_next, c.greedy_next)
+    torch.testing.assert_close(a.features.float(), c.features.float(), rtol=2 ** -7, atol=1e-5)
+
+
+def test_mismatched_target_layers_and_inputs(cache, prepared, train_tiny_target, tmp_path):
+    with pytest.raises(DataError, match="SmolLM2-135M-Instruct.*not for"):
+        FeatureCache(cache, target=str(train_tiny_target))
+    FeatureCache(cache, target="HuggingFaceTB/SmolLM2-135M-Instruct")  # the same target is fine
+    with pytest.raises(DataError, match=r"\[1, 8, 14, 20, 27\].*\[2, 3\]"):
+        FeatureCache(cache, target_layer_ids=[2, 3])
+    with pytest.raises(DataError, match="target_layer_ids"):
+        write_feature_cache(None, prepared, cache, target_layer_ids=[2, 3], batch_size=3, rows_per_shard=4)
+    with pytest.raises(DataError, match="not a feature cache"):
+        FeatureCache(tmp_path)
+
+
+def test_truncated_shard_is_reported(cache, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(cache, copy)
+    shard = copy / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    fc = FeatureCache(copy)
+    fc.document(0)  # the other shard is fine
+    with pytest.raises(DataError, match="shard-00001.safetensors: shard is truncated"):
+        fc.document(5)
+
+
+WRITER = """
+import sys
+from dflash_train.features.cache import write_feature_cache
+write_feature_cache(None, sys.argv[1], sys.argv[2], batch_size=1, rows_per_shard=1)
+"""
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill(prepared, cache, tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(prepared), str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:
+            m = out / MANIFEST_FILE
+            if m.is_file() and len(json.loads(m.read_text())["shards"]) >= 2:
+                break
+            if proc.poll() is not None:
+                pytest.fail("writer finished before it could be killed")
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    m = json.loads((out / MANIFEST_FILE).read_text())
+    assert not m["complete"] and 2 <= len(m["shards"]) < 7
+    with pytest.raises(DataError, match="incomplete"):
+        FeatureCache(out)
+    # the rerun keeps the finished shards and completes the rest
+    kept = {s["file"]: (out / s["file"]).stat().st_mtime_ns for s in m["shards"]}
+    subprocess.run([sys.executable, "-c", WRITER, str(prepared), str(out)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert all((out / f).stat().st_mtime_ns == t for f, t in kept.items())
+    assert not list(out.glob(".*.tmp"))
+    fc, ref = FeatureCache(out), FeatureCache(cache)
+    fc.verify()
+    assert len(fc.manifest["shards"]) == 7
+    for i in range(7):
+        a, b = fc.document(i), ref.document(i)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.greedy_next, b.greedy_next)
+        torch.testing.assert_close(a.features.float(), b.features.float(), rtol=2 ** -7, atol=1e-5)

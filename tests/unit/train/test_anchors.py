@@ -1,0 +1,24 @@
+"""Anchor sampling and slot weights."""
+
+import math
+
+import pytest
+import torch
+
+from dflash_train.train.anchors import anchor_generator, gamma_for_block_size, sample_anchors, slot_weights
+
+
+def test_gamma_paper_values_and_rule():
+    assert [gamma_for_block_size(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    assert gamma_for_block_size(4) == 2.0 and gamma_for_block_size(2) == 1.0
+    assert gamma_for_block_size(12) == pytest.approx(5 + 2 / 3)
+    w = slot_weights(8)
+    assert w[0] == 0 and w[1] == 1 and w[3] == pytest.approx(math.exp(-2 / 4))
+
+
+def test_anchors_need_two_masked_tokens_and_respect_budget():
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 0, 1, 1], dtype=torch.bool)
+    all_ = sample_anchors(mask, 100, anchor_generator(0, 0, 0))
+    assert all_.tolist() == [1, 2, 7]
+    few = sample_anchors(mask, 2, anchor_generator(0, 0, 0))
+    assert few.numel() == 2 and set(few.tolist()) <= {1, 2, 7} and few.tolist() == sorted(few.tolist())

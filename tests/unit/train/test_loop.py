@@ -1,0 +1,139 @@
+"""The training run on a tiny random target: layout, exact resume after SIGKILL, 2 ranks == 1 rank,
+and bad input refused before anything is overwritten. Real subprocesses of the installed command."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+BIN = Path(sys.executable).parent
+
+
+def _recipe(tmp_path, target, rows, **extra):
+    text = f"""target: {target}
+data: {{prepared: {rows}, features: memory, holdout_fraction: 0.2}}
+drafter: {{num_layers: 1, block_size: 4, mask_token_id: 16, num_features: 2, dtype: float32}}
+objective: {{anchors_per_document: 16, logits_chunk: 64}}
+optim: {{lr: 1.0e-3, epochs: 2}}
+batch: {{tokens_per_microbatch: 256, grad_accum: 2}}
+checkpoint: {{save_every: 2, keep_last: 2}}
+logging: {{log_every: 1, eval_every: 2, progress: false}}
+"""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(text)
+    return path
+
+
+def _train(args, **kw):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([str(BIN / "dflash-train"), "train", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300, **kw)
+
+
+def _weights(folder):
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, train_tiny_target, train_prepared):
+    tmp = tmp_path_factory.mktemp("ref")
+    recipe = _recipe(tmp, train_tiny_target, train_prepared)
+    out = tmp / "run"
+    res = _train(["--config", recipe, "--output", out])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return recipe, out
+
+
+@pytest.mark.slow
+def test_run_folder_layout(reference_run):
+    _, out = reference_run
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004", "step-000006"]  # keep_last 2
+    step = out / "checkpoints" / "step-000006"
+    assert (step / "config.json").is_file() and (step / "trainer_state" / "state.json").is_file()
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert "speculators_config" in cfg and cfg["block_size"] == 4 and cfg["mask_token_id"] == 16
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and len(summary["val_acc_per_position"]) == 3
+    assert 1.0 <= summary["val_accept_len"] <= 4.0 and summary["tokens"] > 0
+    held = json.loads((out / "holdout_rows.json").read_text())["rows"]
+    assert len(held) == summary["holdout_rows"] == 5
+    assert (out / "curves.png").stat().st_size > 1000 and any((out / "tensorboard").iterdir())
+    assert "block_size: 4  # recipe" in (out / "resolved_config.yaml").read_text()
+    # the final drafter equals the last checkpoint's drafter
+    a, b = _weights(out / "final"), _weights(step)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_identical(reference_run, tmp_path):
+    recipe, ref = reference_run
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "step-000002").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "training ended before its first checkpoint"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists()
+    # without --resume the folder is refused and left alone
+    again = _train(["--config", recipe, "--output", out])
+    assert again.returncode == 2 and "--resume" in again.stderr
+    res = _train(["--config", recipe, "--output", out, "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = _weights(ref / "final"), _weights(out / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = (json.loads((p / "summary.json").read_text()) for p in (ref, out))
+    assert ra["val_loss"] == rb["val_loss"] and ra["tokens"] == rb["tokens"]
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank(reference_run, tmp_path):
+    recipe, ref = reference_run
+    out = tmp_path / "two"
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29637", str(BIN / "dflash-train"),
+           "train", "--config", str(recipe), "--output", str(out), "--set", "batch.grad_accum=1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = _weights(ref / "final"), _weights(out / "final")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
+    ha = [h["loss"] for h in json.loads((ref / "checkpoints/step-000006/trainer_state/state.json").read_text())["history"]
+          if h["split"] == "train"]
+    hb = [h["loss"] for h in json.loads((out / "checkpoints/step-000006/trainer_state/state.json").read_text())["history"]
+          if h["split"] == "train"]
+    assert len(ha) == len(hb) == 6 and max(abs(x - y) for x, y in zip(ha, hb, strict=False)) < 1e-4
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("drafter.target_layer_ids=[1,9]", "drafter.target_layer_ids: layer id 9"),
+    ("drafter.mask_token_id=300", "drafter.mask_token_id: 300"),
+    ("drafter.block_size=1", "drafter.block_size"),
+])
+def test_bad_input_is_refused(tmp_path, train_tiny_target, train_prepared, override, needle):
+    recipe = _recipe(tmp_path, train_tiny_target, train_prepared)
+    res = _train(["--config", recipe, "--output", tmp_path / "out", "--set", override])
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert needle in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_other_run_in_output_is_not_overwritten(reference_run, tmp_path):
+    recipe, ref = reference_run
+    out = tmp_path / "copy"
+    shutil.copytree(ref, out)
+    before = (out / "final" / "model.safetensors").read_bytes()
+    res = _train(["--config", recipe, "--output", out, "--resume", "--set", "drafter.num_layers=2"])
+    assert res.returncode == 2 and "holds a different run" in res.stderr and "drafter" in res.stderr
+    assert (out / "final" / "model.safetensors").read_bytes() == before

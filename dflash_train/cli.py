@@ -70,14 +70,16 @@ def prepare(data: str = typer.Option(..., "--data", help="Hub dataset id, local 
             max_samples: Optional[int] = typer.Option(None, "--max-samples", help="Read at most N conversations."),
             max_length: int = typer.Option(2048, "--max-length", help="Truncate rendered rows to L tokens."),
             split: Optional[str] = typer.Option(None, "--split", help="Hub dataset split (default: train)."),
-            subset: Optional[str] = typer.Option(None, "--subset", help="Hub dataset config name.")) -> None:
+            subset: Optional[str] = typer.Option(None, "--subset", help="Hub dataset config name."),
+            max_turns: Optional[int] = typer.Option(None, "--max-turns",
+                                                    help="Keep each conversation up to its N-th assistant turn.")) -> None:
     """Render conversations with the target's chat template; mask assistant tokens; count token frequencies."""
     import json
 
     from dflash_train.data.prepare import prepare_dataset
 
     summary = prepare_dataset(target, data, output, max_samples=max_samples, max_length=max_length,
-                              split=split, subset=subset)
+                              split=split, subset=subset, max_turns=max_turns)
     typer.echo(json.dumps({k: v for k, v in summary.items() if k != "inputs"}, indent=2))
     typer.echo(f"wrote {output}")
 

@@ -25,19 +25,42 @@ REQUIRED_COLUMNS = ("input_ids", "loss_mask", "messages")
 
 
 def prepare_dataset(target: str | None, source: str, output: str | Path, max_samples: int | None = None,
-                    max_length: int = 2048, split: str | None = None, subset: str | None = None) -> dict:
+                    max_length: int = 2048, split: str | None = None, subset: str | None = None,
+                    max_turns: int | None = None) -> dict:
     from dflash_train.data.sources import load_conversations
     from dflash_train.features.target import load_tokenizer, resolve_target
 
     target_path = resolve_target(target)
     inputs = {"command": "prepare", "target": target_path, "source": _source_id(source),
               "max_samples": max_samples, "max_length": max_length, "split": split, "subset": subset}
+    if max_turns is not None:
+        if max_turns < 1:
+            raise DataError(f"--max-turns must be >= 1, got {max_turns}")
+        inputs["max_turns"] = max_turns
     cached = cached_summary(output, inputs)
     if cached is not None:
         return cached
     tokenizer = load_tokenizer(target_path)
     conversations = load_conversations(source, split=split, subset=subset, max_samples=max_samples)
+    if max_turns is not None:
+        conversations = [first_turns(c, max_turns) for c in conversations]
     return write_prepared(conversations, tokenizer, output, inputs, max_length=max_length)
+
+
+def first_turns(messages: list[dict], max_turns: int) -> list[dict]:
+    """The conversation up to and including its `max_turns`-th assistant turn.
+
+    Regeneration is sequential in turns, so keeping one exchange per conversation is the cheap way
+    to regenerate many different prompts.
+    """
+    out, seen = [], 0
+    for m in messages:
+        out.append(m)
+        if m["role"] == "assistant":
+            seen += 1
+            if seen == max_turns:
+                break
+    return out
 
 
 def write_prepared(conversations: Iterable[list[dict]], tokenizer, output: str | Path, inputs: dict,

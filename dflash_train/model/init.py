@@ -33,3 +33,25 @@ def new_drafter_for_target(target: str | None, seed: int = 0, **kwargs) -> DFlas
     model = DFlashDraftModel(drafter_config_for_target(target, **kwargs))
     model.init_weights(seed=seed)
     return model
+
+
+def reduce_drafter_vocab(model: DFlashDraftModel, token_counts, draft_vocab_size: int,
+                         target_lm_head) -> DFlashDraftModel:
+    """A copy of `model` with a reduced draft vocabulary (formats.md §6).
+
+    Keeps the `draft_vocab_size` most frequent supervised ids; the draft `lm_head` starts as the
+    target's LM-head rows of the kept ids (and is trained from there); d2t/t2d map between vocabularies.
+    """
+    import torch
+
+    from dflash_train.data.vocab import reduced_vocab_maps
+
+    cfg = model.config.model_copy(update={"draft_vocab_size": draft_vocab_size})
+    reduced = DFlashDraftModel(cfg)
+    reduced.load_state_dict(model.state_dict(), strict=False)
+    d2t, t2d = reduced_vocab_maps(token_counts, draft_vocab_size)
+    with torch.no_grad():
+        reduced.d2t.copy_(d2t)
+        reduced.t2d.copy_(t2d)
+        reduced.lm_head.weight.copy_(target_lm_head.detach()[t2d].to(reduced.lm_head.weight.dtype))
+    return reduced

@@ -46,7 +46,7 @@ def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
     root = data_cache_root(data, target_path)
     prepared = root / "prepared"
     prepare_dataset(target_path, data.source, prepared, max_samples=data.max_samples, max_length=data.max_length,
-                    split=data.split, subset=data.subset)
+                    split=data.split, subset=data.subset, max_turns=data.max_turns)
     if not data.regenerate.enabled:
         return prepared
     from dflash_train.data.regenerate import regenerate_dataset

@@ -129,7 +129,7 @@ def _check_output(output: Path, resolved: ResolvedRecipe, resume: bool) -> None:
                           "--output (nothing was overwritten)")
 
 
-def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer):
+def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer, data_path: Path):
     from dflash_train.features.layer_ids import check_target_layer_ids
     from dflash_train.features.mask_token import check_mask_token_id
     from dflash_train.model.checkpoint import load_drafter
@@ -153,6 +153,12 @@ def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenize
                                     dtype=d.dtype)
     model = DFlashDraftModel(cfg)
     model.init_weights(seed=recipe.seed)
+    if d.draft_vocab_size is not None and d.draft_vocab_size < cfg.vocab_size:
+        from dflash_train.data.vocab import read_token_freq
+        from dflash_train.model.init import reduce_drafter_vocab
+
+        model = reduce_drafter_vocab(model, read_token_freq(data_path), d.draft_vocab_size,
+                                     target_model.get_output_embeddings().weight)
     return model
 
 
@@ -173,11 +179,11 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: bool = False) ->
     gpu = world.device.type == "cuda"
     target_model, tokenizer = load_target(target_path, dtype=torch.bfloat16 if gpu else torch.float32,
                                           device=str(world.device))
-    drafter = _build_drafter(recipe, target_path, target_model, tokenizer).to(world.device)
     if world.is_main:  # rank 0 prepares and caches; the others then read the cache
         data_path = prepared_rows(recipe.data, target_path, recipe.seed)
     barrier()
     data_path = prepared_rows(recipe.data, target_path, recipe.seed) if not world.is_main else data_path
+    drafter = _build_drafter(recipe, target_path, target_model, tokenizer, data_path).to(world.device)
     rows = load_rows(data_path)
     train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.seed)
     cache = None

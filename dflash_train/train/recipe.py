@@ -34,6 +34,7 @@ class DataConfig(_Section):
     prepared: str | None = None  # an already prepared folder (skips prepare and regenerate)
     max_samples: int | None = Field(None, gt=0)
     max_length: int = Field(2048, gt=1)
+    max_turns: int | None = Field(None, gt=0)  # keep conversations up to their N-th assistant turn
     split: str | None = None
     subset: str | None = None
     regenerate: RegenerateConfig = RegenerateConfig(enabled=False)
@@ -57,6 +58,8 @@ class DrafterConfig(_Section):
     num_features: int = Field(5, gt=0)
     target_layer_ids: list[int] | None = None  # z-lab ids (aux - 1); default: z-lab's choice
     intermediate_size: int | None = Field(None, gt=0)
+    # reduced draft vocabulary (formats.md §6): the N most frequent supervised ids; SGLang cannot serve it
+    draft_vocab_size: int | None = Field(None, gt=0)
     init_from: str | None = None  # start from a saved drafter folder
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # dtype of saved drafters
 

@@ -72,3 +72,16 @@ def test_load_prepared_rejects_bad_folders(tmp_path):
     datasets.Dataset.from_dict({"input_ids": [[1, 2]]}).save_to_disk(str(tmp_path / "no_mask"))
     with pytest.raises(DataError, match=r"missing column\(s\) \['loss_mask'\]"):
         load_prepared(tmp_path / "no_mask")
+
+
+def test_max_turns_keeps_the_first_exchanges(tmp_path, smollm2_path):
+    src = write_jsonl(tmp_path / "chats.jsonl", CONVS)
+    one = prepare_dataset(None, src, tmp_path / "one", max_length=96, max_turns=1)
+    ds = load_prepared(tmp_path / "one")
+    assert json.loads(ds[1]["messages"]) == [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    assert one["inputs"]["max_turns"] == 1
+    prepare_dataset(None, src, tmp_path / "full", max_length=96)
+    full = load_prepared(tmp_path / "full")
+    assert len(full[1]["input_ids"]) > len(ds[1]["input_ids"])  # the second exchange is gone
+    with pytest.raises(DataError, match="--max-turns must be >= 1"):
+        prepare_dataset(None, src, tmp_path / "bad", max_turns=0)

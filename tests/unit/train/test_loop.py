@@ -137,3 +137,23 @@ def test_other_run_in_output_is_not_overwritten(reference_run, tmp_path):
     res = _train(["--config", recipe, "--output", out, "--resume", "--set", "drafter.num_layers=2"])
     assert res.returncode == 2 and "holds a different run" in res.stderr and "drafter" in res.stderr
     assert (out / "final" / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.slow
+def test_reduced_vocab_run_keeps_the_most_frequent_supervised_ids(tmp_path, train_tiny_target, train_prepared):
+    from dflash_train.data.vocab import read_token_freq, reduced_vocab_maps
+    from dflash_train.model.checkpoint import load_drafter
+
+    recipe = _recipe(tmp_path, train_tiny_target, train_prepared)
+    out = tmp_path / "run"
+    res = _train(["--config", recipe, "--output", out, "--max-steps", "2", "--set", "drafter.draft_vocab_size=64"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 64 and cfg["transformer_layer_config"]["vocab_size"] == 49152
+    draft = load_drafter(out / "final")
+    d2t, t2d = reduced_vocab_maps(read_token_freq(train_prepared), 64)
+    assert torch.equal(draft.d2t, d2t) and torch.equal(draft.t2d, t2d)
+    assert draft.lm_head.weight.shape == (64, 64)
+    # every kept id maps back onto itself through d2t
+    kept = torch.nonzero(t2d).squeeze(1)
+    assert torch.equal(draft.draft_to_target(torch.arange(64)), kept)

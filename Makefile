@@ -41,8 +41,7 @@ test-fast: install
 	$(VENV)/bin/pytest -m "not slow and not e2e and not vllm and not gpu" -q
 
 demo: install
-	$(VENV)/bin/dflash-train target-info
-	$(VENV)/bin/dflash-train init-drafter --output runs/demo/drafter
+	$(VENV)/bin/dflash-train demo --output runs/demo
 
 lint: install
 	$(VENV)/bin/ruff check dflash_train convert serve_shim tests bench

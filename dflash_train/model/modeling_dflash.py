@@ -318,7 +318,7 @@ class DFlashCache:
 
     def crop(self, length: int) -> None:
         """Keep the first `length` context positions."""
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=False)):
             if k is not None:
                 self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
         if self.positions is not None:

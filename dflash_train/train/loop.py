@@ -10,7 +10,6 @@ the batch is split.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path

@@ -22,7 +22,7 @@ def _packed(cfg, lengths, seed=0):
     feats = torch.randn(total, cfg.num_aux_layers * cfg.target_hidden_size, generator=gen)
     ids = torch.randint(0, cfg.vocab_size - 1, (total,), generator=gen)
     starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
-    doc_start = torch.cat([torch.full((n,), int(s)) for s, n in zip(starts, lengths)])
+    doc_start = torch.cat([torch.full((n,), int(s)) for s, n in zip(starts, lengths, strict=False)])
     positions = torch.cat([torch.arange(n) for n in lengths])
     return feats, ids, doc_start, positions
 

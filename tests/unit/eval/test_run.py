@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from handbuilt_models import MASK, copy_drafter, cycle_target
 
 from convert.formats import zlab
@@ -18,14 +17,6 @@ from dflash_train.model.checkpoint import load_drafter, save_drafter
 
 CYCLE = [0, 2, 3, 4, 1, 5, 6, MASK]
 PROMPT = [3, 4, 1, 2, 3, 4, 1, 2, 3]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _save_zlab(model, folder, drop_mask_id=False):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from handbuilt_models import MASK, constant_drafter, copy_drafter, cycle_target
 
 from dflash_train.errors import ConfigError
@@ -13,15 +12,6 @@ from dflash_train.eval.spec_decode import plain_generate, speculative_generate
 # 1 -> 2 -> 3 -> 4 -> 1 (period 4); 0, 5, 6 and MASK map to themselves
 CYCLE = [0, 2, 3, 4, 1, 5, 6, MASK]
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 4]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matmuls: thread start-up dominates, and the CPU is shared
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # 4-token target forwards with MKL threads on a shared 2-core machine are 10-100x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def random_drafter(smollm2):
     target, tokenizer = smollm2

@@ -20,14 +20,6 @@ RUNS = 700
 PROMPT = [0, 1, 2]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _chain(proposal: list[float]) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     p = torch.zeros(VOCAB, VOCAB)

@@ -55,3 +55,30 @@ def reduce_drafter_vocab(model: DFlashDraftModel, token_counts, draft_vocab_size
         reduced.t2d.copy_(t2d)
         reduced.lm_head.weight.copy_(target_lm_head.detach()[t2d].to(reduced.lm_head.weight.dtype))
     return reduced
+
+
+def init_from_target_layer(model: DFlashDraftModel, target_model, layer_index: int = -1) -> DFlashDraftModel:
+    """Start every draft layer from one target decoder layer and the final norm from the target's.
+
+    The drafter scores with the target's LM head (or its rows), which expects hidden states
+    normalised by the target's final norm; and a pretrained layer is a far better start than a
+    random one when data or compute is small. Tensors whose shapes differ (a draft narrower than
+    the target) and q_norm/k_norm (absent in Llama-style targets) keep their initialisation.
+    """
+    import torch
+
+    from dflash_train.features.extract import decoder_layers
+
+    layers = decoder_layers(target_model)
+    source = layers[layer_index].state_dict()
+    with torch.no_grad():
+        for layer in model.layers:
+            own = layer.state_dict()
+            for name, tensor in source.items():
+                if name in own and own[name].shape == tensor.shape:
+                    own[name].copy_(tensor.to(own[name].dtype))
+        final_norm = (target_model.get_decoder() if hasattr(target_model, "get_decoder")
+                      else target_model.model).norm.weight
+        if final_norm.shape == model.norm.weight.shape:
+            model.norm.weight.copy_(final_norm.to(model.norm.weight.dtype))
+    return model

@@ -113,18 +113,36 @@ class TrainLayout:
     block_positions: torch.Tensor
     cache: dict = field(default_factory=dict)
 
-    def context_allowed(self, window: int | None) -> torch.Tensor:
-        """[N, 1, B, T] bool: block n slot k may attend to context token t."""
-        key = ("ctx", window)
+    def context_allowed(self, window: int | None, lo: int = 0, hi: int | None = None, c0: int = 0,
+                        c1: int | None = None) -> torch.Tensor:
+        """[n, 1, B, c1-c0] bool: block lo+n, slot k may attend to context token c0+t."""
+        hi = self.anchors.numel() if hi is None else hi
+        c1 = self.ctx_positions.numel() if c1 is None else c1
+        key = ("ctx", window, lo, hi, c0, c1)
         if key not in self.cache:
-            t = torch.arange(self.ctx_positions.numel(), device=self.anchors.device)
-            allowed = (t[None, :] >= self.doc_start[:, None]) & (t[None, :] < self.anchors[:, None])
+            t = torch.arange(c0, c1, device=self.anchors.device)
+            allowed = (t[None, :] >= self.doc_start[lo:hi, None]) & (t[None, :] < self.anchors[lo:hi, None])
             allowed = allowed[:, None, :].expand(-1, self.block_positions.shape[1], -1)
             if window is not None:
-                dist = self.block_positions[:, :, None] - self.ctx_positions[None, None, :]
+                dist = self.block_positions[lo:hi, :, None] - self.ctx_positions[None, None, c0:c1]
                 allowed = allowed & (dist < window)
             self.cache[key] = allowed[:, None]
         return self.cache[key]
+
+    def segments(self) -> list[tuple[int, int, int, int]]:
+        """(lo, hi, c0, c1): runs of consecutive blocks of one document and the context span
+        [c0, c1) they can see (document start .. last anchor). Blocks never see other documents,
+        so attention is computed per run instead of against the whole packed context."""
+        if "segments" not in self.cache:
+            out, lo = [], 0
+            starts = self.doc_start.tolist()
+            anchors = self.anchors.tolist()
+            for i in range(1, len(starts) + 1):
+                if i == len(starts) or starts[i] != starts[lo]:
+                    out.append((lo, i, starts[lo], max(anchors[lo:i])))
+                    lo = i
+            self.cache["segments"] = out
+        return self.cache["segments"]
 
     def block_allowed(self, window: int | None) -> torch.Tensor | None:
         """[B, B] bool, or None for full bidirectional attention inside the block."""
@@ -209,20 +227,27 @@ class DFlashAttention(nn.Module):
     def _split_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout):
         """Exact attention without the dense mask: one softmax over [own context ; own block].
 
-        Scores against the shared context are [N, Hq, B, T] with the anchor cutoff as a mask;
-        scores against the own block are [N, Hq, B, B]. Concatenating the two score tensors
-        and normalising once is the same softmax as the dense reference, never building the
-        [N*B, T + N*B] mask.
+        Blocks are taken one document run at a time (`layout.segments()`): scores against the
+        visible context span are [n, Hq, B, c1-c0] with the anchor cutoff as a mask, scores
+        against the own block are [n, Hq, B, B]. Concatenating the two and normalising once is
+        the same softmax as the dense reference, never building the [N*B, T + N*B] mask and
+        never scoring a block against another document.
         """
-        s_ctx = torch.einsum("nhbd,htd->nhbt", q, ctx_k) * self.scale
-        s_ctx = s_ctx.masked_fill(~layout.context_allowed(self.window), float("-inf"))
-        s_blk = torch.einsum("nhbd,nhcd->nhbc", q, k_blk) * self.scale
+        s_blk_all = torch.einsum("nhbd,nhcd->nhbc", q, k_blk) * self.scale
         blk_ok = layout.block_allowed(self.window)
         if blk_ok is not None:
-            s_blk = s_blk.masked_fill(~blk_ok, float("-inf"))
-        t = s_ctx.shape[-1]
-        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(q.dtype)
-        return torch.einsum("nhbt,htd->nhbd", p[..., :t], ctx_v) + torch.einsum("nhbc,nhcd->nhbd", p[..., t:], v_blk)
+            s_blk_all = s_blk_all.masked_fill(~blk_ok, float("-inf"))
+        outs = []
+        for lo, hi, c0, c1 in layout.segments():
+            qs = q[lo:hi]
+            kc, vc = ctx_k[:, c0:c1], ctx_v[:, c0:c1]
+            s_ctx = torch.einsum("nhbd,htd->nhbt", qs, kc) * self.scale
+            s_ctx = s_ctx.masked_fill(~layout.context_allowed(self.window, lo, hi, c0, c1), float("-inf"))
+            t = c1 - c0
+            p = torch.softmax(torch.cat([s_ctx, s_blk_all[lo:hi]], dim=-1).float(), dim=-1).to(q.dtype)
+            outs.append(torch.einsum("nhbt,htd->nhbd", p[..., :t], vc)
+                        + torch.einsum("nhbc,nhcd->nhbd", p[..., t:], v_blk[lo:hi]))
+        return torch.cat(outs, dim=0)
 
     def _dense_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout):
         """The naive reference: all blocks as one query set, keys [context ; all blocks]."""

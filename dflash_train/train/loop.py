@@ -152,6 +152,10 @@ def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenize
                                     dtype=d.dtype)
     model = DFlashDraftModel(cfg)
     model.init_weights(seed=recipe.seed)
+    if d.init_from_target_layer is not None:
+        from dflash_train.model.init import init_from_target_layer
+
+        init_from_target_layer(model, target_model, d.init_from_target_layer)
     if d.draft_vocab_size is not None and d.draft_vocab_size < cfg.vocab_size:
         from dflash_train.data.vocab import read_token_freq
         from dflash_train.model.init import reduce_drafter_vocab

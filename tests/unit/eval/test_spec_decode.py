@@ -9,6 +9,8 @@ from dflash_train.errors import ConfigError
 from dflash_train.eval.report import step_stats
 from dflash_train.eval.spec_decode import plain_generate, speculative_generate
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # 1 -> 2 -> 3 -> 4 -> 1 (period 4); 0, 5, 6 and MASK map to themselves
 CYCLE = [0, 2, 3, 4, 1, 5, 6, MASK]
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 4]

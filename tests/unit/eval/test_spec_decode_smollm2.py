@@ -9,6 +9,8 @@ from dflash_train.eval.spec_decode import evaluate
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.modeling_dflash import DFlashDraftModel
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [
     [{"role": "user", "content": "What is 12 + 7?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colors."},

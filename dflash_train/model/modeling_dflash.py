@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from dflash_train.model.config import DFlashConfig
@@ -105,12 +106,14 @@ class TrainLayout:
     doc_start[n]    index of the first token of block n's document
     ctx_positions   [T] absolute (in-document) position of each context token
     block_positions [N, B] absolute positions of each block slot
+    chunk_blocks    the split attention's unit of work: at most this many blocks at a time
     """
 
     anchors: torch.Tensor
     doc_start: torch.Tensor
     ctx_positions: torch.Tensor
     block_positions: torch.Tensor
+    chunk_blocks: int = 32
     cache: dict = field(default_factory=dict)
 
     def context_allowed(self, window: int | None, lo: int = 0, hi: int | None = None, c0: int = 0,
@@ -130,16 +133,20 @@ class TrainLayout:
         return self.cache[key]
 
     def segments(self) -> list[tuple[int, int, int, int]]:
-        """(lo, hi, c0, c1): runs of consecutive blocks of one document and the context span
-        [c0, c1) they can see (document start .. last anchor). Blocks never see other documents,
-        so attention is computed per run instead of against the whole packed context."""
+        """(lo, hi, c0, c1): runs of at most `chunk_blocks` consecutive blocks of one document and
+        the context span [c0, c1) they can see (document start .. their last anchor). Blocks
+        never see other documents or context at or after their anchor, so attention is computed
+        per run against that span only, not against the whole packed context."""
         if "segments" not in self.cache:
             out, lo = [], 0
             starts = self.doc_start.tolist()
             anchors = self.anchors.tolist()
+            step = max(1, int(self.chunk_blocks))
             for i in range(1, len(starts) + 1):
                 if i == len(starts) or starts[i] != starts[lo]:
-                    out.append((lo, i, starts[lo], max(anchors[lo:i])))
+                    for a in range(lo, i, step):
+                        b = min(i, a + step)
+                        out.append((a, b, starts[lo], max(anchors[a:b])))
                     lo = i
             self.cache["segments"] = out
         return self.cache["segments"]
@@ -227,27 +234,37 @@ class DFlashAttention(nn.Module):
     def _split_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout):
         """Exact attention without the dense mask: one softmax over [own context ; own block].
 
-        Blocks are taken one document run at a time (`layout.segments()`): scores against the
-        visible context span are [n, Hq, B, c1-c0] with the anchor cutoff as a mask, scores
-        against the own block are [n, Hq, B, B]. Concatenating the two and normalising once is
-        the same softmax as the dense reference, never building the [N*B, T + N*B] mask and
-        never scoring a block against another document.
+        Blocks are taken a run at a time (`layout.segments()`: at most `chunk_blocks` blocks of
+        one document): scores against the visible context span are [n, Hq, B, c1-c0] with the
+        anchor cutoff as a mask, scores against the own block are [n, Hq, B, B]. Concatenating
+        the two and normalising once is the same softmax as the dense reference, never building
+        the [N*B, T + N*B] mask and never scoring a block against another document. When
+        gradients are needed each run is checkpointed: its scores and probabilities are freed
+        after the forward and recomputed in the backward, so memory holds one run's scores,
+        not every block's.
         """
-        s_blk_all = torch.einsum("nhbd,nhcd->nhbc", q, k_blk) * self.scale
         blk_ok = layout.block_allowed(self.window)
-        if blk_ok is not None:
-            s_blk_all = s_blk_all.masked_fill(~blk_ok, float("-inf"))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_blk, v_blk, ctx_k, ctx_v))
         outs = []
         for lo, hi, c0, c1 in layout.segments():
-            qs = q[lo:hi]
-            kc, vc = ctx_k[:, c0:c1], ctx_v[:, c0:c1]
-            s_ctx = torch.einsum("nhbd,htd->nhbt", qs, kc) * self.scale
-            s_ctx = s_ctx.masked_fill(~layout.context_allowed(self.window, lo, hi, c0, c1), float("-inf"))
-            t = c1 - c0
-            p = torch.softmax(torch.cat([s_ctx, s_blk_all[lo:hi]], dim=-1).float(), dim=-1).to(q.dtype)
-            outs.append(torch.einsum("nhbt,htd->nhbd", p[..., :t], vc)
-                        + torch.einsum("nhbc,nhcd->nhbd", p[..., t:], v_blk[lo:hi]))
+            allowed = layout.context_allowed(self.window, lo, hi, c0, c1)
+            args = (q[lo:hi], k_blk[lo:hi], v_blk[lo:hi], ctx_k[:, c0:c1], ctx_v[:, c0:c1], allowed, blk_ok)
+            if grad:
+                outs.append(torch.utils.checkpoint.checkpoint(self._attend_run, *args, use_reentrant=False))
+            else:
+                outs.append(self._attend_run(*args))
         return torch.cat(outs, dim=0)
+
+    def _attend_run(self, q, k_blk, v_blk, kc, vc, ctx_allowed, blk_allowed):
+        """One run of blocks: q/k_blk/v_blk [n, Hq, B, d], kc/vc [Hq, t, d] -> [n, Hq, B, d]."""
+        s_ctx = torch.einsum("nhbd,htd->nhbt", q, kc) * self.scale
+        s_ctx = s_ctx.masked_fill(~ctx_allowed, float("-inf"))
+        s_blk = torch.einsum("nhbd,nhcd->nhbc", q, k_blk) * self.scale
+        if blk_allowed is not None:
+            s_blk = s_blk.masked_fill(~blk_allowed, float("-inf"))
+        t = kc.shape[-2]
+        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(q.dtype)
+        return torch.einsum("nhbt,htd->nhbd", p[..., :t], vc) + torch.einsum("nhbc,nhcd->nhbd", p[..., t:], v_blk)
 
     def _dense_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout):
         """The naive reference: all blocks as one query set, keys [context ; all blocks]."""
@@ -492,9 +509,9 @@ class DFlashDraftModel(nn.Module):
 
 
 def train_layout(anchors: torch.Tensor, doc_start: torch.Tensor, ctx_positions: torch.Tensor,
-                 block_size: int) -> TrainLayout:
+                 block_size: int, chunk_blocks: int = 32) -> TrainLayout:
     """Layout for blocks at `anchors` of a packed sequence (ctx_positions: in-document positions)."""
     offsets = torch.arange(block_size, device=anchors.device)
     block_positions = ctx_positions[anchors][:, None] + offsets
     return TrainLayout(anchors=anchors, doc_start=doc_start, ctx_positions=ctx_positions,
-                       block_positions=block_positions)
+                       block_positions=block_positions, chunk_blocks=chunk_blocks)

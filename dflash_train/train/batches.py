@@ -76,7 +76,7 @@ def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce"
     layout = mb.layout
     if layout.anchors.device != device:
         layout = TrainLayout(*(t.to(device) for t in (layout.anchors, layout.doc_start, layout.ctx_positions,
-                                                      layout.block_positions)))
+                                                      layout.block_positions)), chunk_blocks=layout.chunk_blocks)
     hidden = model.forward_train(mb.packed.features.to(device), embeds, layout, attention=attention)
     valid = mb.labels != IGNORE
     labels = model.target_to_draft(mb.labels[valid].to(device))

@@ -40,29 +40,31 @@ class _FusedHeadLoss(torch.autograd.Function):
             logp = torch.log_softmax(logits, dim=-1)
             del logits
             wt = weights[s:e].float()
+            lab = labels[s:e]
             if kind == "ce":
-                lab = labels[s:e]
-                per = -logp.gather(1, lab[:, None]).squeeze(1)
-                total += (wt * per).sum()
-                if want_h or want_w:
-                    d = logp.exp_()  # softmax, in place
-                    d[torch.arange(e - s, device=d.device), lab] -= 1.0
-            else:  # kl(target || draft) = sum p (log p - log q)
+                total += (wt * -logp.gather(1, lab[:, None]).squeeze(1)).sum()
+                d = logp.exp_() if want_h or want_w else None  # softmax, in place; the grad is softmax - onehot
+            else:  # kl(target || draft) = sum p (log p - log q); the grad is softmax - p
                 tl = target_logp[s:e].float()
                 p = tl.exp()
-                per = (p * (tl - logp)).sum(-1)
-                total += (wt * per).sum()
-                if want_h or want_w:
-                    d = logp.exp_() - p
+                total += (wt * (p * (tl - logp)).sum(-1)).sum()
+                d = logp.exp_().sub_(p) if want_h or want_w else None
                 del tl, p
-            if want_h or want_w:
-                d.mul_(wt[:, None])
-                if want_h:
-                    grad_h[s:e] = d @ w32
-                if want_w:
-                    grad_w += d.t() @ h
-                del d
             del logp
+            if d is None:
+                continue
+            # the weights scale rows: apply them to the [n, H] products, not to the [n, V] matrix
+            if want_h:
+                g = d @ w32
+                if kind == "ce":
+                    g -= w32[lab]
+                grad_h[s:e] = g * wt[:, None]
+            if want_w:
+                hw = h * wt[:, None]
+                grad_w += d.t() @ hw
+                if kind == "ce":
+                    grad_w.index_add_(0, lab, -hw)
+            del d
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
                               grad_w if grad_w is not None else torch.empty(0))
         ctx.dtypes = (hidden.dtype, weight.dtype)

@@ -98,8 +98,9 @@ def test_blocks_are_bidirectional_inside_and_blind_to_each_other(tiny_config):
     torch.testing.assert_close(after[0], base[0], rtol=0, atol=1e-6)  # block 0 never sees block 1
 
 
+@pytest.mark.parametrize("chunk_blocks", [32, 2, 1])
 @pytest.mark.parametrize("sliding", [False, True])
-def test_split_attention_equals_dense_reference_forward_and_backward(tiny_config, sliding):
+def test_split_attention_equals_dense_reference_forward_and_backward(tiny_config, sliding, chunk_blocks):
     update = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6} if sliding else {}
     cfg = tiny_config.model_copy(update=update)
     feats, ids, doc_start, positions = _packed(cfg, [25, 40])
@@ -107,7 +108,7 @@ def test_split_attention_equals_dense_reference_forward_and_backward(tiny_config
     results = {}
     for attention in ("split", "dense"):
         model = _model(cfg)
-        layout = train_layout(anchors, doc_start[anchors], positions, cfg.block_size)
+        layout = train_layout(anchors, doc_start[anchors], positions, cfg.block_size, chunk_blocks=chunk_blocks)
         f = feats.clone().requires_grad_(True)
         out = model.forward_train(f, model.embed(model.block_ids(ids[anchors])), layout, attention=attention)
         loss = (out * torch.linspace(-1, 1, out.shape[-1])).mean()  # a mean, like a real loss
@@ -117,6 +118,7 @@ def test_split_attention_equals_dense_reference_forward_and_backward(tiny_config
     out_d, fg_d, g_d = results["dense"]
     torch.testing.assert_close(out_s, out_d, rtol=0, atol=1e-5)
     torch.testing.assert_close(fg_s, fg_d, rtol=0, atol=1e-5)
+    assert fg_s.abs().sum() > 0
     for name in g_s:
         torch.testing.assert_close(g_s[name], g_d[name], rtol=1e-5, atol=1e-5, msg=name)
 
@@ -130,6 +132,13 @@ def test_flex_attention_forward_equals_dense(tiny_config):
         dense = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "dense")
         flex = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "flex")
     torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
+
+
+def test_split_runs_stay_inside_one_document_and_stop_at_their_last_anchor(tiny_config):
+    _, _, doc_start, positions = _packed(tiny_config, [25, 40])
+    anchors = torch.tensor([1, 12, 20, 26, 50, 63])
+    layout = train_layout(anchors, doc_start[anchors], positions, 4, chunk_blocks=2)
+    assert layout.segments() == [(0, 2, 0, 12), (2, 3, 0, 20), (3, 5, 25, 50), (5, 6, 25, 63)]
 
 
 def test_dense_mask_is_the_training_mask(tiny_config):

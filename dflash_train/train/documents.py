@@ -111,6 +111,24 @@ class DocumentSource:
         docs = [p[0] for p in pairs]
         return docs, ([p[1] for p in pairs] if self.want_logits else None)
 
+    def warm(self, idx: list[int], tokens_per_batch: int = 4096, progress: bool = True) -> None:
+        """Memory mode: compute the features of rows `idx` now, in batches of similar lengths
+        (longest first, so padding is small and a too-large batch fails at once), with a progress
+        bar, instead of lazily inside the first epoch's steps."""
+        if self.mode != "memory":
+            return
+        from tqdm import tqdm
+
+        todo = sorted({i for i in idx if i not in self._memory}, key=lambda i: (-self.lengths[i], i))
+        with tqdm(total=len(todo), desc="target features", unit="row", disable=not progress) as bar:
+            b = 0
+            while b < len(todo):
+                n = max(1, tokens_per_batch // max(1, self.lengths[todo[b]]))
+                batch = todo[b:b + n]
+                self._memory.update(self._compute(batch))
+                bar.update(len(batch))
+                b += len(batch)
+
     def _check(self, doc: Document, i: int) -> Document:
         if self.expected_dim is not None and doc.features.shape[-1] != self.expected_dim:
             raise DataError(f"feature cache row {i}: features have width {doc.features.shape[-1]} but this "

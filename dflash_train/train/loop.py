@@ -162,6 +162,7 @@ def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenize
 
         model = reduce_drafter_vocab(model, read_token_freq(data_path), d.draft_vocab_size,
                                      target_model.get_output_embeddings().weight)
+        model.lm_head.weight.requires_grad_(d.train_lm_head)
     return model
 
 
@@ -196,6 +197,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: bool = False) ->
                             want_logits=recipe.objective.loss == "kl",
                             target_hidden=target_model.config.get_text_config().hidden_size)
     plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size)
+    source.warm(train_rows + held[: recipe.logging.eval_documents], progress=world.is_main and recipe.logging.progress)
     engine, scheduler = build_engine(drafter, recipe, plan.total)
     engine.module.attach_target(target_model)
 

@@ -60,6 +60,9 @@ class DrafterConfig(_Section):
     intermediate_size: int | None = Field(None, gt=0)
     # reduced draft vocabulary (formats.md §6): the N most frequent supervised ids; SGLang cannot serve it
     draft_vocab_size: int | None = Field(None, gt=0)
+    # the reduced vocabulary's head starts as the target's rows; train it (true) or keep it frozen
+    # like the full-vocabulary head (false, the paper's convention; generalises better on little data)
+    train_lm_head: bool = False
     # start the draft layers from this target decoder layer (-1: the last) and the final norm from
     # the target's; null: random initialisation
     init_from_target_layer: int | None = None

@@ -157,3 +157,13 @@ def test_reduced_vocab_run_keeps_the_most_frequent_supervised_ids(tmp_path, trai
     # every kept id maps back onto itself through d2t
     kept = torch.nonzero(t2d).squeeze(1)
     assert torch.equal(draft.draft_to_target(torch.arange(64)), kept)
+    # the reduced head is the target's rows, frozen by default; drafter.train_lm_head trains it
+    from transformers import AutoModelForCausalLM
+
+    target_head = AutoModelForCausalLM.from_pretrained(str(train_tiny_target)).get_output_embeddings().weight.detach()
+    assert torch.equal(draft.lm_head.weight, target_head[kept])
+    out2 = tmp_path / "run-trained-head"
+    res = _train(["--config", recipe, "--output", out2, "--max-steps", "2", "--set", "drafter.draft_vocab_size=64",
+                  "--set", "drafter.train_lm_head=true"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (load_drafter(out2 / "final").lm_head.weight - target_head[kept]).abs().max() > 1e-5

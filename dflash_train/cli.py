@@ -92,7 +92,7 @@ def regenerate(data: Path = typer.Option(..., "--data", help="A prepared dataset
                temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
                thinking: Optional[str] = typer.Option(None, "--thinking", help="on|off: the template's "
                                                       "enable_thinking (default: the template's default)."),
-               engine: str = typer.Option("hf", "--engine", help="hf (transformers generate) or vllm."),
+               engine: str = typer.Option("hf", "--engine", help="hf (transformers generate), vllm (here or in $DFLASH_VLLM_PYTHON / the `make vllm-venv` venv), or auto (vllm where it runs, else hf)."),
                batch_size: int = typer.Option(8, "--batch-size", help="Conversations generated together."),
                seed: int = typer.Option(0, "--seed", help="Sampling seed.")) -> None:
     """Replace every assistant turn with the target's own answer (resumable)."""

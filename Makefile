@@ -40,8 +40,8 @@ test: install vllm-venv
 test-fast: install
 	$(VENV)/bin/pytest -m "not slow and not e2e and not vllm and not gpu" -q
 
-demo: install
-	$(VENV)/bin/dflash-train demo --output runs/demo
+demo: install vllm-venv
+	DFLASH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VENV)/bin/dflash-train demo --output runs/demo
 
 lint: install
 	$(VENV)/bin/ruff check dflash_train convert serve_shim tests bench

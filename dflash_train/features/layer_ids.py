@@ -45,3 +45,14 @@ def check_target_layer_ids(target_layer_ids: Sequence[int], num_target_layers: i
                 f"{field}: layer id {t} is outside the target's layers 0..{num_target_layers - 1} "
                 f"(z-lab ids; speculators aux ids are these + 1)"
             )
+
+
+def last_layer_warning(target_layer_ids: Sequence[int], num_target_layers: int) -> str | None:
+    """A warning when the ids include the target's last decoder layer, where engines disagree:
+    HF `hidden_states[L]` (what training extracts) is after the final norm, while vLLM 0.32
+    collects aux id L as the residual stream before it. Other layers are the same everywhere."""
+    if num_target_layers - 1 not in [int(t) for t in target_layer_ids]:
+        return None
+    return (f"target layer id {num_target_layers - 1} is the target's last decoder layer: training reads HF's "
+            "post-norm hidden state there, vLLM serves the pre-norm residual stream, so served acceptance can "
+            f"fall below the trained one; prefer ids <= {num_target_layers - 2}")

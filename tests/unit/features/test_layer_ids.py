@@ -40,3 +40,12 @@ def test_check_rejects_ids_outside_target():
     check_target_layer_ids([0, 29], 30, "layer_ids")
     with pytest.raises(ConfigError, match=r"layer_ids: layer id 30 is outside the target's layers 0\.\.29"):
         check_target_layer_ids([1, 30], 30, "layer_ids")
+
+
+def test_last_layer_is_flagged_because_engines_disagree_there():
+    from dflash_train.features.layer_ids import last_layer_warning
+
+    assert last_layer_warning([1, 8, 14, 20, 27], 30) is None
+    assert last_layer_warning([28], 30) is None
+    msg = last_layer_warning([2, 29], 30)
+    assert "29" in msg and "pre-norm" in msg and "ids <= 28" in msg

@@ -207,7 +207,14 @@ def _vllm_python() -> str | None:
 
 
 class _HFGenerator:
-    """Batched HF generate with left padding; greedy at temperature 0."""
+    """Batched HF generate with left padding; greedy at temperature 0.
+
+    Every row of a generate call runs until the longest answer ends, so on CPU a call takes at
+    most `max_rows` rows (measured with SmolLM2 on 2 cores: 32 rows give 72 tokens/s, 96 rows 45);
+    a larger --batch-size is split into such calls.
+    """
+
+    max_rows_cpu = 32
 
     def __init__(self, target_path, tokenizer, renderer, max_new_tokens, temperature):
         import torch
@@ -221,8 +228,13 @@ class _HFGenerator:
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.stop_ids = _stop_ids(tokenizer, renderer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.max_rows = None if device == "cuda" else self.max_rows_cpu
 
     def generate(self, prompts: list[list[int]], seed: int = 0):
+        step = self.max_rows or len(prompts)
+        return [r for i in range(0, len(prompts), step) for r in self._generate(prompts[i:i + step], seed + i)]
+
+    def _generate(self, prompts: list[list[int]], seed: int):
         import torch
 
         width = max(len(p) for p in prompts)

@@ -74,6 +74,22 @@ def test_regenerate_greedy_turn_by_turn_and_resume(tmp_path, prepared, smollm2, 
     assert regen.regenerate_dataset(None, prepared, out, max_new_tokens=NEW, batch_size=2).get("cached")
 
 
+def test_hf_generator_splits_large_batches_with_the_same_greedy_answers(smollm2_path, smollm2):
+    from dflash_train.data.render import ChatRenderer
+
+    tok = smollm2[1]
+    renderer = ChatRenderer(tok, max_length=128)
+    prompts = [renderer.prompt_ids(c[:c.index(next(m for m in c if m["role"] == "assistant"))]) for c in CONVS]
+    gen = regen._HFGenerator(str(smollm2_path), tok, renderer, NEW, 0.0)
+    whole = gen.generate(prompts)
+    gen.max_rows = 1
+    calls = []
+    real = gen._generate
+    gen._generate = lambda p, s: calls.append(len(p)) or real(p, s)
+    assert gen.generate(prompts) == whole and calls == [1, 1, 1]
+    assert all(n == NEW or not hit for _, n, hit in whole) and any(text for text, _, _ in whole)
+
+
 def test_resume_with_other_settings_is_refused(tmp_path, prepared):
     work = tmp_path / "out.partial"
     work.mkdir()

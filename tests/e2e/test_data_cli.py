@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +13,11 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
-def run(*args):
+def run(*args, env=None):
     # the script beside this interpreter: CI runs .venv/bin/pytest without activating the venv
     exe = str(Path(sys.executable).parent / "dflash-train")
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def test_prepare_then_features_then_errors(tmp_path):
@@ -41,8 +43,11 @@ def test_prepare_then_features_then_errors(tmp_path):
     assert r.returncode == 2 and "unknown schema" in r.stderr and "['text']" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "b").exists()
 
-    r = run("regenerate", "--data", str(tmp_path / "p"), "--output", str(tmp_path / "r"), "--engine", "vllm")
-    assert r.returncode == 2 and "serve" in r.stderr
+    # no vLLM here and $DFLASH_VLLM_PYTHON names nothing: a one-line error with the fixes, no output
+    r = run("regenerate", "--data", str(tmp_path / "p"), "--output", str(tmp_path / "r"), "--engine", "vllm",
+            env={"DFLASH_VLLM_PYTHON": str(tmp_path / "no-python")})
+    assert r.returncode == 2 and "DFLASH_VLLM_PYTHON" in r.stderr and "make vllm-venv" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow

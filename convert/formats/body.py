@@ -36,3 +36,21 @@ def body_config(cfg: DFlashConfig) -> dict[str, Any]:
     if cfg.layer_types is not None:
         body["layer_types"] = list(cfg.layer_types)
     return body
+
+
+def body_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """DFlashConfig fields read back from a qwen3 body dict, with qwen3's defaults for the optional
+    ones; the caller has checked hidden_size, num_attention_heads and vocab_size are present."""
+    rope = body.get("rope_parameters") or {}
+    return {
+        "num_key_value_heads": body.get("num_key_value_heads") or body["num_attention_heads"],
+        "head_dim": body.get("head_dim") or body["hidden_size"] // body["num_attention_heads"],
+        "hidden_act": body.get("hidden_act", "silu"),
+        "rms_norm_eps": body.get("rms_norm_eps", 1e-6),
+        "max_position_embeddings": body.get("max_position_embeddings", 32768),
+        "attention_bias": body.get("attention_bias", False),
+        "rope_theta": body.get("rope_theta", rope.get("rope_theta", 1_000_000.0)),
+        "rope_parameters": rope or None,
+        "layer_types": body.get("layer_types"),
+        "sliding_window": body.get("sliding_window") if body.get("use_sliding_window") else None,
+    }

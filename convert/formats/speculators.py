@@ -12,7 +12,7 @@ from typing import Any
 from dflash_train.errors import CheckpointError
 from dflash_train.model.config import DFlashConfig
 
-from .body import body_config
+from .body import body_config, body_fields
 
 NAME = "speculators"
 SPECULATORS_VERSION = "0.9.0"
@@ -79,23 +79,13 @@ def from_config_dict(d: dict[str, Any], where: str = "config.json") -> DFlashCon
     if spec_tokens is not None and d.get("block_size") and spec_tokens != d["block_size"] - 1:
         raise CheckpointError(f"{where}: speculative_tokens {spec_tokens} must be block_size - 1 = "
                               f"{d['block_size'] - 1}")
-    rope = body.get("rope_parameters") or {}
     return DFlashConfig.build(
         where, CheckpointError,
         hidden_size=_require(body, "hidden_size", f"{where} transformer_layer_config"),
         intermediate_size=_require(body, "intermediate_size", f"{where} transformer_layer_config"),
         num_hidden_layers=_require(body, "num_hidden_layers", f"{where} transformer_layer_config"),
         num_attention_heads=_require(body, "num_attention_heads", f"{where} transformer_layer_config"),
-        num_key_value_heads=body.get("num_key_value_heads") or body["num_attention_heads"],
-        head_dim=body.get("head_dim") or body["hidden_size"] // body["num_attention_heads"],
-        hidden_act=body.get("hidden_act", "silu"),
-        rms_norm_eps=body.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=body.get("max_position_embeddings", 32768),
-        attention_bias=body.get("attention_bias", False),
-        rope_theta=body.get("rope_theta", rope.get("rope_theta", 1_000_000.0)),
-        rope_parameters=rope or None,
-        layer_types=body.get("layer_types"),
-        sliding_window=body.get("sliding_window") if body.get("use_sliding_window") else None,
+        **body_fields(body),
         vocab_size=_require(body, "vocab_size", f"{where} transformer_layer_config"),
         draft_vocab_size=d.get("draft_vocab_size") or body["vocab_size"],
         target_hidden_size=d.get("target_hidden_size") or body["hidden_size"],

@@ -13,7 +13,7 @@ from dflash_train.errors import CheckpointError
 from dflash_train.features.layer_ids import aux_to_target, target_to_aux
 from dflash_train.model.config import DFlashConfig
 
-from .body import body_config
+from .body import body_config, body_fields
 
 NAME = "zlab"
 DROPPED_ON_READ: tuple[str, ...] = ()
@@ -75,23 +75,13 @@ def from_config_dict(d: dict[str, Any], where: str = "config.json", mask_token_i
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if key not in d:
             raise CheckpointError(f"{where}: missing required field `{key}`")
-    rope = d.get("rope_parameters") or {}
     return DFlashConfig.build(
         where, CheckpointError,
         hidden_size=d["hidden_size"],
         intermediate_size=d["intermediate_size"],
         num_hidden_layers=d["num_hidden_layers"],
         num_attention_heads=d["num_attention_heads"],
-        num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-        hidden_act=d.get("hidden_act", "silu"),
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=d.get("max_position_embeddings", 32768),
-        attention_bias=d.get("attention_bias", False),
-        rope_theta=d.get("rope_theta", rope.get("rope_theta", 1_000_000.0)),
-        rope_parameters=rope or None,
-        layer_types=d.get("layer_types"),
-        sliding_window=d.get("sliding_window") if d.get("use_sliding_window") else None,
+        **body_fields(d),
         vocab_size=d["vocab_size"],
         draft_vocab_size=d["vocab_size"],
         target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],

@@ -26,6 +26,11 @@ def _report(result) -> None:
           f"({result.source_format})")
 
 
+OVERWRITE_HELP = ("replace OUT when it is an earlier dflash-toolkit output (never a folder the toolkit did not "
+                  "write, never the source)")
+OUT_HELP = "output folder: a new path (an existing one only with --overwrite)"
+
+
 def _layer_ids(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -38,37 +43,41 @@ def _layer_ids(text: str | None) -> list[int] | None:
 @app.command("to-speculators")
 def to_speculators(
     src: Path = typer.Argument(..., help="z-lab / SpecForge / speculators folder, or a training run folder"),
-    out: Path = typer.Argument(..., help="output folder (replaced atomically)"),
+    out: Path = typer.Argument(..., help=OUT_HELP),
     verifier: str | None = typer.Option(None, help="target hub id (or folder) written as the verifier"),
     block_size: int | None = typer.Option(None, help="override the block size B (speculative tokens = B-1)"),
     mask_token_id: int | None = typer.Option(None, help="mask id (needed when the source names it by string)"),
     layer_ids: str | None = typer.Option(None, help="z-lab target layer ids, e.g. 1,8,14,20,27 (aux = id+1)"),
     max_shard_gb: float = typer.Option(2.0, help="shard the weights above this size"),
+    overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
 ) -> None:
     """Convert to the speculators format (what `vllm serve DIR` auto-detects)."""
     from convert.convert import convert_checkpoint
 
     _report(convert_checkpoint(src, out, "speculators", verifier=verifier, block_size=block_size,
                                mask_token_id=mask_token_id, layer_ids=_layer_ids(layer_ids),
-                               max_shard_bytes=int(max_shard_gb * 1024**3)))
+                               max_shard_bytes=int(max_shard_gb * 1024**3), overwrite=overwrite))
 
 
 @app.command("to-zlab")
 def to_zlab(
     src: Path = typer.Argument(..., help="speculators / z-lab folder, or a training run folder"),
-    out: Path = typer.Argument(..., help="output folder (replaced atomically)"),
+    out: Path = typer.Argument(..., help=OUT_HELP),
     expand_vocab: bool = typer.Option(False, help="rebuild a full-vocab drafter from a reduced one "
                                       "(borrows the target's LM head)"),
     target: str | None = typer.Option(None, help="target folder or hub id for --expand-vocab "
                                          "(default: embedded SmolLM2)"),
     mask_token_id: int | None = typer.Option(None, help="mask id (needed when the source names it by string)"),
     max_shard_gb: float = typer.Option(2.0, help="shard the weights above this size"),
+    overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
 ) -> None:
     """Convert to the z-lab format (SGLang and HF remote code)."""
     from convert.convert import convert_checkpoint, read_source
     from convert.vocab import expand_vocab as expand
+    from dflash_train.outputs import plan_output
 
     max_bytes = int(max_shard_gb * 1024**3)
+    plan_output(out, "OUT", sources=[src, target], overwrite=overwrite)
     source = read_source(src, mask_token_id=mask_token_id)
     if source.config.reduced_vocab and not expand_vocab:
         raise CheckpointError(
@@ -77,9 +86,9 @@ def to_zlab(
             "Pass --expand-vocab (with --target) to drop lm_head/d2t/t2d and borrow the target head; that is exact "
             "on the kept ids only if the draft lm_head rows equal the target's rows [t2d]")
     if expand_vocab:
-        _report(expand(src, out, "zlab", target=target, max_shard_bytes=max_bytes))
+        _report(expand(src, out, "zlab", target=target, max_shard_bytes=max_bytes, overwrite=overwrite))
     else:
-        _report(convert_checkpoint(src, out, "zlab", source=source, max_shard_bytes=max_bytes))
+        _report(convert_checkpoint(src, out, "zlab", source=source, max_shard_bytes=max_bytes, overwrite=overwrite))
 
 
 @app.command("validate")
@@ -118,16 +127,18 @@ def validate(
 @app.command("reduce-vocab")
 def reduce_vocab(
     src: Path = typer.Argument(..., help="full-vocab drafter folder (any format) or run folder"),
-    out: Path = typer.Argument(..., help="output folder (speculators format)"),
+    out: Path = typer.Argument(..., help=OUT_HELP + ", speculators format"),
     token_freq: Path = typer.Option(..., help="token_freq.json (from `dflash-train prepare`) or its folder"),
     size: int = typer.Option(..., help="draft vocab size Vd"),
     target: str | None = typer.Option(None, help="target folder or hub id (default: embedded SmolLM2)"),
     max_shard_gb: float = typer.Option(2.0, help="shard the weights above this size"),
+    overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
 ) -> None:
     """Keep the Vd most frequent ids: lm_head = the target LM-head rows where t2d is set, plus d2t/t2d."""
     from convert.vocab import reduce_vocab as reduce
 
-    _report(reduce(src, out, token_freq, size, target=target, max_shard_bytes=int(max_shard_gb * 1024**3)))
+    _report(reduce(src, out, token_freq, size, target=target, max_shard_bytes=int(max_shard_gb * 1024**3),
+                   overwrite=overwrite))
 
 
 @app.command("push-to-hub")

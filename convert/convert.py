@@ -18,11 +18,12 @@ from typing import Any
 
 from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.model.config import DFlashConfig
+from dflash_train.outputs import folder_output, plan_output
 
 from . import formats
 from .run_folder import find_drafter_folder
 from .stream import CODES, DTYPES, OutTensor, TensorRef, folder_refs, write_streaming
-from .weights import DEFAULT_MAX_SHARD_BYTES, atomic_folder, write_json
+from .weights import DEFAULT_MAX_SHARD_BYTES, write_json
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 # names other writers store beside the drafter; accepted on read and never written
@@ -209,16 +210,22 @@ def weights_dtype(refs: list[TensorRef], fallback: str) -> str:
 # ------------------------------------------------------------------------------------------
 # the conversion
 def write_checkpoint(out: str | Path, to: str, cfg: DFlashConfig, tensors: list[OutTensor],
-                     source_folder: Path | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
-    """Write config + tensors in format `to`, atomically; copies mask_embedding.pt along."""
+                     source_folder: Path | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, *,
+                     overwrite: bool = False, sources=(), flag: str = "OUT") -> list[str]:
+    """Write config + tensors in format `to`, atomically; copies mask_embedding.pt along.
+
+    `out` follows the output policy (dflash_train.outputs): never a source, never a folder the
+    toolkit did not write; an earlier toolkit output only with `overwrite`."""
     if to not in formats.FORMATS:
         raise ConfigError(f"unknown format {to!r}; choose one of {sorted(formats.FORMATS)}")
     config = formats.FORMATS[to].to_config_dict(cfg)
     total = sum(t.nbytes for t in tensors)
     from tqdm import tqdm
 
-    with atomic_folder(Path(out)) as tmp, tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {to}",
-                                              disable=None, leave=False) as bar:
+    target = folder_output(out, flag, f"to-{to}", sources=[*sources, source_folder], overwrite=overwrite,
+                           need_bytes=total)
+    with target as tmp, tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {to}", disable=None,
+                             leave=False) as bar:
         files = write_streaming(tmp, tensors, max_shard_bytes, on_bytes=bar.update)
         write_json(tmp / "config.json", config)
         files.append("config.json")
@@ -232,8 +239,14 @@ def convert_checkpoint(src: str | Path, out: str | Path, to: str, *, verifier: s
                        block_size: int | None = None, mask_token_id: int | None = None,
                        layer_ids: list[int] | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                        source: Source | None = None, config: DFlashConfig | None = None,
-                       extra: list[OutTensor] | None = None) -> ConvertResult:
-    """Convert `src` (any registered format or a run folder) into format `to` at `out`."""
+                       extra: list[OutTensor] | None = None, overwrite: bool = False,
+                       sources=()) -> ConvertResult:
+    """Convert `src` (any registered format or a run folder) into format `to` at `out`.
+
+    `out` is checked first (dflash_train.outputs), before anything is read: it may not hold `src`
+    or any of `sources`, and an existing output is replaced only with `overwrite`."""
+    sources = [src, *sources]
+    plan_output(out, "OUT", sources=sources, overwrite=overwrite)
     source = source or read_source(src, mask_token_id=mask_token_id, layer_ids=layer_ids)
     cfg = config or apply_overrides(source.config, verifier=verifier, block_size=block_size,
                                     mask_token_id=mask_token_id, layer_ids=layer_ids)
@@ -250,7 +263,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, to: str, *, verifier: s
     for t in tensors:
         if t.dtype not in DTYPES:
             raise CheckpointError(f"{source.folder}: tensor `{t.name}` has unsupported dtype {t.dtype}")
-    files = write_checkpoint(out, to, cfg, tensors, source.folder, max_shard_bytes)
+    files = write_checkpoint(out, to, cfg, tensors, source.folder, max_shard_bytes, overwrite=overwrite,
+                             sources=sources)
     return ConvertResult(Path(out), to, source.folder, source.format, files, dropped, notes)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.errors import CheckpointError, ConfigError
+from dflash_train.outputs import plan_output
 
 from .convert import ConvertResult, convert_checkpoint, read_source
 from .stream import DTYPES, OutTensor, folder_refs
@@ -72,10 +73,13 @@ def _head_for(cfg, target: str | None, flag: str) -> TargetHead:
 
 
 def reduce_vocab(src: str | Path, out: str | Path, token_freq: str | Path, size: int, *,
-                 target: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ConvertResult:
+                 target: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 overwrite: bool = False) -> ConvertResult:
     """Write a speculators drafter whose head keeps the `size` most frequent ids (formats.md §6)."""
     from dflash_train.data.vocab import read_token_freq, reduced_vocab_maps
 
+    sources = [src, token_freq, target]
+    plan_output(out, "OUT", sources=sources, overwrite=overwrite)  # before reading the target head
     source = read_source(src)
     cfg = source.config
     if cfg.reduced_vocab:
@@ -94,7 +98,7 @@ def reduce_vocab(src: str | Path, out: str | Path, token_freq: str | Path, size:
     new_cfg = cfg.model_copy(update={"draft_vocab_size": size})
     extra = [OutTensor.of("lm_head.weight", lm_head), OutTensor.of("d2t", d2t), OutTensor.of("t2d", t2d)]
     result = convert_checkpoint(src, out, "speculators", source=source, config=new_cfg, extra=extra,
-                                max_shard_bytes=max_shard_bytes)
+                                max_shard_bytes=max_shard_bytes, overwrite=overwrite, sources=sources)
     kept = int(counts[t2d].sum())
     total = int(counts.sum()) or 1
     result.notes.append(f"kept {size} of {cfg.vocab_size} ids, covering {kept / total:.2%} of counted tokens; "
@@ -115,18 +119,22 @@ def expansion_note(draft_head: torch.Tensor, t2d: torch.Tensor, head: TargetHead
 
 
 def expand_vocab(src: str | Path, out: str | Path, to: str, *, target: str | None = None,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ConvertResult:
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> ConvertResult:
     """Drop lm_head/d2t/t2d so the drafter borrows the target head (full vocab again)."""
+    sources = [src, target]
+    plan_output(out, "OUT", sources=sources, overwrite=overwrite)  # before reading the target head
     source = read_source(src)
     cfg = source.config
     if not cfg.reduced_vocab:
-        return convert_checkpoint(src, out, to, source=source, max_shard_bytes=max_shard_bytes)
+        return convert_checkpoint(src, out, to, source=source, max_shard_bytes=max_shard_bytes,
+                                  overwrite=overwrite, sources=sources)
     head = _head_for(cfg, target, "--target")
     refs = {r.name.removeprefix("model."): r for r in source.refs}
     if "lm_head.weight" not in refs or "t2d" not in refs:
         raise CheckpointError(f"{source.folder}: reduced vocab but no lm_head.weight / t2d tensor")
     note = expansion_note(refs["lm_head.weight"].read(), refs["t2d"].read().bool(), head)
     result = convert_checkpoint(src, out, to, source=source, max_shard_bytes=max_shard_bytes,
-                                config=cfg.model_copy(update={"draft_vocab_size": cfg.vocab_size}))
+                                config=cfg.model_copy(update={"draft_vocab_size": cfg.vocab_size}),
+                                overwrite=overwrite, sources=sources)
     result.notes.append(note)
     return result

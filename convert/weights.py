@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -106,26 +103,6 @@ def write_tensors(folder: Path, tensors: Mapping[str, torch.Tensor],
     (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                  "weight_map": weight_map}, indent=2))
     return names + [INDEX_FILE]
-
-
-@contextmanager
-def atomic_folder(out: Path):
-    """Yield a temp folder beside `out`; on success it replaces `out` in one rename."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            old = out.with_name(f".old-{out.name}-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_json(path: Path, data) -> None:

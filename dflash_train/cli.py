@@ -17,6 +17,8 @@ app = typer.Typer(help="Train DFlash drafters for a target model.", no_args_is_h
                   pretty_exceptions_enable=False, add_completion=False)
 
 TARGET_HELP = "Target model: HF folder or hub id (default: the embedded SmolLM2-135M-Instruct)."
+OVERWRITE_HELP = ("Replace outputs an earlier dflash-toolkit command wrote (never files or folders it did not write, "
+                  "never a source).")
 
 
 @app.command("target-info")
@@ -51,14 +53,17 @@ def init_drafter(output: Path = typer.Option(..., "--output", help="Folder to wr
                  block_size: int = typer.Option(8, help="Block size B (B-1 speculative tokens)."),
                  mask_token_id: Optional[int] = typer.Option(None, help="Mask token id (default: by target)."),
                  num_features: int = typer.Option(5, help="Number of target layers the drafter reads."),
-                 seed: int = typer.Option(0, help="Initialisation seed.")) -> None:
+                 seed: int = typer.Option(0, help="Initialisation seed."),
+                 overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP)) -> None:
     """Write a freshly initialised drafter for the target in the speculators format."""
     from dflash_train.model.checkpoint import save_drafter
     from dflash_train.model.init import new_drafter_for_target
+    from dflash_train.outputs import plan_output
 
+    plan_output(output, "--output", sources=[target], overwrite=overwrite)
     model = new_drafter_for_target(target, num_layers=num_layers, block_size=block_size,
                                    mask_token_id=mask_token_id, num_features=num_features, seed=seed)
-    save_drafter(model, output)
+    save_drafter(model, output, overwrite=overwrite, command="init-drafter", flag="--output", sources=[target])
     typer.echo(f"wrote {output}")
 
 
@@ -72,14 +77,15 @@ def prepare(data: str = typer.Option(..., "--data", help="Hub dataset id, local 
             split: Optional[str] = typer.Option(None, "--split", help="Hub dataset split (default: train)."),
             subset: Optional[str] = typer.Option(None, "--subset", help="Hub dataset config name."),
             max_turns: Optional[int] = typer.Option(None, "--max-turns",
-                                                    help="Keep each conversation up to its N-th assistant turn.")) -> None:
+                                                    help="Keep each conversation up to its N-th assistant turn."),
+            overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP)) -> None:
     """Render conversations with the target's chat template; mask assistant tokens; count token frequencies."""
     import json
 
     from dflash_train.data.prepare import prepare_dataset
 
     summary = prepare_dataset(target, data, output, max_samples=max_samples, max_length=max_length,
-                              split=split, subset=subset, max_turns=max_turns)
+                              split=split, subset=subset, max_turns=max_turns, overwrite=overwrite)
     typer.echo(json.dumps({k: v for k, v in summary.items() if k != "inputs"}, indent=2))
     typer.echo(f"wrote {output}")
 
@@ -94,7 +100,8 @@ def regenerate(data: Path = typer.Option(..., "--data", help="A prepared dataset
                                                       "enable_thinking (default: the template's default)."),
                engine: str = typer.Option("hf", "--engine", help="hf (transformers generate), vllm (here or in $DFLASH_VLLM_PYTHON / the `make vllm-venv` venv), or auto (vllm where it runs, else hf)."),
                batch_size: int = typer.Option(8, "--batch-size", help="Conversations generated together."),
-               seed: int = typer.Option(0, "--seed", help="Sampling seed.")) -> None:
+               seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+               overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP)) -> None:
     """Replace every assistant turn with the target's own answer (resumable)."""
     import json
 
@@ -105,7 +112,7 @@ def regenerate(data: Path = typer.Option(..., "--data", help="A prepared dataset
         raise ConfigError(f"--thinking {thinking!r}: use on or off")
     summary = regenerate_dataset(target, data, output, max_new_tokens=max_new_tokens, temperature=temperature,
                                  thinking=None if thinking is None else thinking == "on", engine=engine,
-                                 batch_size=batch_size, seed=seed)
+                                 batch_size=batch_size, seed=seed, overwrite=overwrite)
     typer.echo(json.dumps({k: v for k, v in summary.items() if k != "inputs"}, indent=2))
     typer.echo(f"wrote {output}")
 
@@ -138,7 +145,10 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
           output: Optional[Path] = typer.Option(None, "--output", help="Run folder (default: runs/<recipe name>)."),
           max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after N optimizer steps."),
           save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps."),
-          resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint."),
+          resume: Optional[str] = typer.Option(None, "--resume", metavar="[auto]",
+                                               help="Continue the run in --output from its newest whole checkpoint "
+                                                    "(an error when there is none); `--resume auto` starts the run "
+                                                    "when there is nothing to resume."),
           overrides: list[str] = typer.Option([], "--set", help="Override a recipe field: --set optim.lr=1e-4."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Validate the recipe and print it; train nothing."),
           local_rank: int = typer.Option(0, "--local_rank", "--local-rank", hidden=True,
@@ -158,7 +168,8 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
     from dflash_train.train.loop import train as run_training
 
     out = output or Path("runs") / config.stem
-    summary = run_training(resolved, out, resume=resume)
+    summary = run_training(resolved, out, resume=resume, sources=[config],
+                           notify=lambda msg: typer.echo(msg, err=True))
     if summary and resolved.recipe.eval.enabled:  # rank 0 only: other ranks return no summary
         from dflash_train.eval.run import evaluate_run
 
@@ -196,6 +207,7 @@ def eval_command(
         device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, ... (default: cpu)."),
         json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report here."),
         plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the histogram and per-position rates."),
+        overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
 ) -> None:
     """Speculative decoding with the drafter on real prompts: tau, acceptance, speedup, lossless check."""
     from dflash_train.errors import ConfigError
@@ -207,7 +219,7 @@ def eval_command(
                          num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                          block_size=block_size, seed=seed, measure_speedup=speedup, mask_token_id=mask_token_id,
                          dtype=dtype, device=device, json_out=str(json_out) if json_out else None,
-                         plot=str(plot) if plot else None)
+                         plot=str(plot) if plot else None, overwrite=overwrite)
     except ValueError as exc:
         bad = "; ".join(f"--{str(e['loc'][0]).replace('_', '-')}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"eval: {bad}") from None
@@ -252,7 +264,19 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
     Console(width=160).print(table)
 
 
+def bare_resume(argv: list[str]) -> list[str]:
+    """`--resume` with no value means `--resume must` (typer options take no optional values)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--resume" and (i + 1 == len(out) or out[i + 1].startswith("-")):
+            out[i] = "--resume=must"
+    return out
+
+
 def main() -> None:
+    import sys
+
+    sys.argv[1:] = bare_resume(sys.argv[1:])
     run_cli(app)
 
 

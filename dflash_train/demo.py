@@ -4,7 +4,8 @@ prepare -> regenerate -> train (one `dflash-train train` run of the demo recipe)
 into `OUT/drafter/` (speculators format) -> spec-decode eval on held-out prompts -> validate ->
 z-lab conversion -> serve dry run -> a summary table. Every stage runs the installed command in a
 subprocess, exactly as a user would, and prints one status line; a stage whose output is already
-complete is skipped, so an interrupted demo resumes where it stopped.
+complete is skipped, so an interrupted demo resumes where it stopped. OUT is the demo's own folder
+(it carries the toolkit's marker), so its stages may replace their own earlier outputs in it.
 """
 
 from __future__ import annotations
@@ -44,19 +45,19 @@ def demo_stages(out: Path, recipe: Path, overrides: list[str], max_prompts: int,
     sets = [a for o in overrides for a in ("--set", o)]
     return [
         Stage("train", [_bin("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
-                        "--set", "eval.enabled=false", *sets] + (["--resume"] if (run / "checkpoints").is_dir() else []),
+                        "--set", "eval.enabled=false", *sets, "--resume", "auto"],
               done=run / "summary.json"),
-        Stage("convert", [_bin("dflash-convert"), "to-speculators", str(run), str(drafter)],
+        Stage("convert", [_bin("dflash-convert"), "to-speculators", str(run), str(drafter), "--overwrite"],
               done=drafter / "config.json"),
         Stage("eval", [_bin("dflash-train"), "eval", "--draft", str(drafter), "--prompts", str(run),
                        "--num-prompts", str(max_prompts), "--max-new-tokens", str(max_new_tokens),
-                       "--json", str(out / "eval.json"), "--plot", str(out / "eval.png")],
+                       "--json", str(out / "eval.json"), "--plot", str(out / "eval.png"), "--overwrite"],
               done=out / "eval.json"),
         Stage("validate", [_bin("dflash-convert"), "validate", str(drafter), "--target", "default",
                            "--json"]),
         # a reduced-vocab drafter is refused by SGLang's format unless rebuilt with the full head
         Stage("to-zlab", [_bin("dflash-convert"), "to-zlab", str(drafter), str(out / "drafter-zlab"),
-                          "--expand-vocab"], done=out / "drafter-zlab" / "config.json"),
+                          "--expand-vocab", "--overwrite"], done=out / "drafter-zlab" / "config.json"),
         Stage("serve", [_bin("dflash-serve"), str(drafter), "--dry-run"]),
     ]
 
@@ -87,9 +88,12 @@ def _run_stage(stage: Stage, log) -> None:
 def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, overrides: list[str] | None = None,
              max_prompts: int = 12, max_new_tokens: int = 96) -> dict:
     """Run every stage; returns the summary (also written to OUT/demo_summary.json)."""
+    from dflash_train.outputs import ensure_folder, folder_stamp, plan_output
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     recipe = Path(recipe) if recipe else DEMO_RECIPE
+    own = (folder_stamp(out) or {}).get("command") == "demo"  # an earlier demo: resumed stage by stage
+    ensure_folder(plan_output(out, "--output", sources=[recipe], own=own, overwrite=None), "demo")
     stages = demo_stages(out, recipe, overrides or [], max_prompts, max_new_tokens)
     t0 = time.time()
     with open(out / "demo.log", "a") as log:

@@ -21,6 +21,10 @@ class DataError(DFlashError):
     """A dataset, feature shard or manifest cannot be used as given."""
 
 
+class OutputError(DFlashError):
+    """An output path the toolkit must not write: it exists, holds a source, or has no room."""
+
+
 class MissingDependencyError(DFlashError):
     """An optional package (vllm, sglang, ...) is needed for this command but not installed."""
 

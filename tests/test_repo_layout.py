@@ -50,12 +50,20 @@ def test_import_direction(path):
     if rel[0] == "convert":
         bad = [i for i in imports if i.startswith("dflash_train.") and not i.startswith((
             "dflash_train.model.config", "dflash_train.errors", "dflash_train.features", "dflash_train.data.vocab",
-            "dflash_train.model.checkpoint", "dflash_train.model.modeling_dflash"))]
+            "dflash_train.model.checkpoint", "dflash_train.model.modeling_dflash", "dflash_train.outputs"))]
         assert not bad, f"{path.name}: convert needs only the model config, checkpoints and formats, got {bad}"
     if rel[0] == "serve_shim":
         bad = [i for i in imports if i.startswith("dflash_train.")
-               and not i.startswith(("dflash_train.errors", "dflash_train.model.config"))]
+               and not i.startswith(("dflash_train.errors", "dflash_train.model.config", "dflash_train.outputs"))]
         assert not bad, f"{path.name}: serve_shim needs only convert's detection, got {bad}"
+
+
+@pytest.mark.parametrize("name", ["errors", "outputs"])
+def test_shared_modules_import_no_stage(name):
+    """errors and the output policy are used by every stage, convert and serve_shim: they import none."""
+    imports = _imports(ROOT / "dflash_train" / f"{name}.py")
+    assert not [i for i in imports if i.startswith(("dflash_train.", "convert", "serve_shim"))
+                and i != "dflash_train.errors"]
 
 
 def test_core_modules_never_import_typer():

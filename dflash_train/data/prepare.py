@@ -1,24 +1,25 @@
 """`dflash-train prepare`: conversations -> a tokenized, loss-masked `datasets` folder.
 
-Output folder (written to a temp folder, then renamed):
+Output folder (written to a temp folder, then renamed; the output policy of dflash_train.outputs
+decides whether an existing folder may be replaced):
 - the `save_to_disk` dataset: `input_ids` (list[int]), `loss_mask` (list[int] 0/1), `messages`
   (JSON string of the normalised conversation);
 - `token_freq.json`: counts of loss-masked tokens (for reduced draft vocabularies);
 - `prepare_summary.json`: rows kept, rows dropped by reason, tokens, supervised tokens, the
-  target path and the inputs. A rerun with the same inputs on a complete folder reuses it.
+  target path and the inputs. A rerun with the same inputs on a complete folder reuses it; a
+  folder from other inputs is replaced only with `overwrite`.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterable
 from itertools import chain
 from pathlib import Path
 
 from dflash_train.errors import DataError
+from dflash_train.outputs import folder_output, plan_output
 
 SUMMARY_FILE = "prepare_summary.json"
 REQUIRED_COLUMNS = ("input_ids", "loss_mask", "messages")
@@ -26,7 +27,7 @@ REQUIRED_COLUMNS = ("input_ids", "loss_mask", "messages")
 
 def prepare_dataset(target: str | None, source: str, output: str | Path, max_samples: int | None = None,
                     max_length: int = 2048, split: str | None = None, subset: str | None = None,
-                    max_turns: int | None = None) -> dict:
+                    max_turns: int | None = None, overwrite: bool = False) -> dict:
     from dflash_train.data.sources import load_conversations
     from dflash_train.features.target import load_tokenizer, resolve_target
 
@@ -38,13 +39,16 @@ def prepare_dataset(target: str | None, source: str, output: str | Path, max_sam
             raise DataError(f"--max-turns must be >= 1, got {max_turns}")
         inputs["max_turns"] = max_turns
     cached = cached_summary(output, inputs)
+    sources = [source, target]
+    plan_output(output, "--output", sources=sources, own=cached is not None, overwrite=overwrite)
     if cached is not None:
         return cached
     tokenizer = load_tokenizer(target_path)
     conversations = load_conversations(source, split=split, subset=subset, max_samples=max_samples)
     if max_turns is not None:
         conversations = [first_turns(c, max_turns) for c in conversations]
-    return write_prepared(conversations, tokenizer, output, inputs, max_length=max_length)
+    return write_prepared(conversations, tokenizer, output, inputs, max_length=max_length, overwrite=overwrite,
+                          sources=sources)
 
 
 def first_turns(messages: list[dict], max_turns: int) -> list[dict]:
@@ -64,8 +68,11 @@ def first_turns(messages: list[dict], max_turns: int) -> list[dict]:
 
 
 def write_prepared(conversations: Iterable[list[dict]], tokenizer, output: str | Path, inputs: dict,
-                   max_length: int = 2048, thinking: bool | None = None, extra: dict | None = None) -> dict:
-    """Render, mask, count and save atomically; shared by prepare and regenerate."""
+                   max_length: int = 2048, thinking: bool | None = None, extra: dict | None = None,
+                   overwrite: bool = False, sources=()) -> dict:
+    """Render, mask, count and save atomically; shared by prepare and regenerate.
+
+    An existing `output` is replaced only when it is an earlier toolkit output and `overwrite`."""
     import datasets
     from tqdm import tqdm
 
@@ -112,18 +119,12 @@ def write_prepared(conversations: Iterable[list[dict]], tokenizer, output: str |
                                   "loss_mask": datasets.List(datasets.Value("int8")),
                                   "messages": datasets.Value("string")})
     ds = datasets.Dataset.from_dict(rows, features=features)
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
+    need = 5 * summary["tokens"] + sum(len(m) for m in rows["messages"]) + 8 * vocab
+    with folder_output(output, "--output", str(inputs.get("command", "prepare")), sources=sources,
+                       overwrite=overwrite, need_bytes=need) as tmp:
         ds.save_to_disk(str(tmp))
         write_token_freq(tmp / TOKEN_FREQ_FILE, counts)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.rename(output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return summary
 
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 from dflash_train.errors import ConfigError, DataError, MissingDependencyError
+from dflash_train.outputs import discard_folder, ensure_folder, plan_output
 
 ENGINES = ("hf", "vllm", "auto")  # auto: vllm where it can run (here or in its venv), else hf
 PROGRESS_FILE = "progress.jsonl"
@@ -34,7 +34,7 @@ STATE_FILE = "inputs.json"
 
 def regenerate_dataset(target: str | None, data: str | Path, output: str | Path, max_new_tokens: int = 256,
                        temperature: float = 0.0, thinking: bool | None = None, engine: str = "hf",
-                       batch_size: int = 8, seed: int = 0) -> dict:
+                       batch_size: int = 8, seed: int = 0, overwrite: bool = False) -> dict:
     from dflash_train.data.prepare import cached_summary, load_prepared, read_summary, write_prepared
     from dflash_train.data.render import ChatRenderer
     from dflash_train.features.target import load_tokenizer, resolve_target
@@ -54,8 +54,14 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
               "thinking": thinking, "engine": engine, "batch_size": batch_size, "seed": seed,
               "max_length": max_length}
     cached = cached_summary(output, inputs)
+    sources = [data, target]
+    plan_output(output, "--output", sources=sources, own=cached is not None, overwrite=overwrite)
     if cached is not None:
         return cached
+    work = Path(f"{output}.partial")
+    # the work folder is this command's own when an earlier run left its settings there
+    work_plan = plan_output(work, "--output (its .partial work folder)", sources=sources,
+                            own=(work / STATE_FILE).is_file(), overwrite=None)
     vllm_python = None
     if engine == "auto":
         try:
@@ -65,7 +71,7 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
     elif engine == "vllm":
         vllm_python = _vllm_python()
 
-    work = Path(f"{output}.partial")
+    ensure_folder(work_plan, "regenerate")
     done = _open_progress(work, inputs)
     todo = [i for i in range(len(ds)) if i not in done]
     tokenizer = load_tokenizer(target_path)
@@ -87,8 +93,8 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
     conversations = [done[i]["messages"] for i in range(len(ds))]
     totals = {k: sum(int(done[i].get(k, 0)) for i in range(len(ds))) for k in stats}
     summary = write_prepared(conversations, tokenizer, output, inputs, max_length=max_length, thinking=thinking,
-                             extra={"regeneration": totals})
-    shutil.rmtree(work, ignore_errors=True)
+                             extra={"regeneration": totals}, overwrite=overwrite, sources=sources)
+    discard_folder(work)
     return summary
 
 

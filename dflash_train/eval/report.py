@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.eval.spec_decode import Generation, Step
+from dflash_train.outputs import STAMP_KEY, png_software, stamp
 
 
 @dataclass
@@ -95,11 +96,11 @@ def build_report(results: list[PromptResult], block_size: int, greedy: bool, mea
 
 
 def write_report_json(report: dict, path: str | Path) -> Path:
-    """Write the report atomically (temp file + rename)."""
+    """Write the report atomically (temp file + rename), stamped as the toolkit's (dflash_train.outputs)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps({**report, STAMP_KEY: stamp("eval")}, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
 
@@ -128,7 +129,7 @@ def plot_report(report: dict, path: str | Path) -> Path:
     right.set_title(f"per-position acceptance (B={s['block_size']}, T={s['temperature']})")
     fig.tight_layout()
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, format="png", dpi=100)
+    fig.savefig(tmp, format="png", dpi=100, metadata={"Software": png_software("eval")})
     plt.close(fig)
     os.replace(tmp, path)
     return path

@@ -30,6 +30,7 @@ class EvalConfig(BaseModel):
     device: str | None = None
     json_out: str | None = None
     plot: str | None = None
+    overwrite: bool = False  # replace --json / --plot files an earlier toolkit run wrote (never others)
 
 
 def resolve_drafter_dir(path: str | Path) -> Path:
@@ -47,6 +48,18 @@ def resolve_drafter_dir(path: str | Path) -> Path:
     return found
 
 
+def check_report_outputs(cfg: EvalConfig, draft_dir: Path) -> None:
+    """The --json and --plot files may be written: new (or earlier reports with --overwrite),
+    not a source, in a writable place with room."""
+    from dflash_train.outputs import check_distinct, plan_output
+
+    named = [(flag, p) for flag, p in (("--json", cfg.json_out), ("--plot", cfg.plot)) if p]
+    check_distinct(*named)
+    for flag, p in named:
+        plan_output(p, flag, kind="file", sources=[draft_dir, cfg.prompts, cfg.target], overwrite=cfg.overwrite,
+                    need_bytes=1 << 20)
+
+
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     """Load, evaluate, write the outputs named in `cfg`; returns the report (with `draft`/`target`)."""
     import torch
@@ -61,6 +74,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         raise ConfigError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}")
     dtype = DTYPES[cfg.dtype]
     draft_dir = resolve_drafter_dir(cfg.draft)
+    check_report_outputs(cfg, draft_dir)  # seconds in, not after the eval
     trained = read_drafter_config(draft_dir, mask_token_id=cfg.mask_token_id).block_size
     if cfg.block_size is not None and cfg.block_size > trained:  # fail before loading anything heavy
         raise ConfigError(f"--block-size {cfg.block_size}: larger than the drafter's trained block_size {trained} "
@@ -94,7 +108,8 @@ def evaluate_run(run_dir: str | Path, target: str | None = None, max_prompts: in
     run = Path(run_dir)
     report = run_eval(EvalConfig(draft=str(run), target=target, prompts=str(run / "holdout_rows.json"),
                                  num_prompts=max_prompts, max_new_tokens=max_new_tokens,
-                                 json_out=str(run / "eval.json"), plot=str(run / "eval.png")), progress=progress)
+                                 json_out=str(run / "eval.json"), plot=str(run / "eval.png"), overwrite=True),
+                      progress=progress)
     headline = {k: report[k] for k in ("tau", "per_position", "histogram", "speedup", "lossless") if k in report}
     headline.update(prompts=max_prompts, max_new_tokens=max_new_tokens, report=str(run / "eval.json"))
     summary_path = run / "summary.json"

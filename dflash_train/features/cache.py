@@ -34,6 +34,7 @@ import torch
 
 from dflash_train.data.packing import Document
 from dflash_train.errors import DataError
+from dflash_train.outputs import check_writable, ensure_folder, plan_output
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "dflash-feature-cache"
@@ -147,6 +148,9 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
         raise DataError(f"dtype {dtype!r}: choose one of {sorted(_DTYPES)}")
     if batch_size < 1 or rows_per_shard < 1:
         raise DataError("--batch-size and --rows-per-shard must be >= 1")
+    out = Path(output)
+    # a folder with a manifest is this command's own (resumed, or refused below when its inputs differ)
+    plan = plan_output(out, "--output", sources=[data, target], own=(out / MANIFEST_FILE).is_file(), overwrite=None)
     ds = load_prepared(data)
     target_path = resolve_target(target)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -157,8 +161,6 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     layer_ids = [int(t) for t in (target_layer_ids or default_target_layer_ids(n_layers, 5))]
     check_target_layer_ids(layer_ids, n_layers, "--layer-ids")
     hidden = int(model.config.get_text_config().hidden_size)
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
     lengths_all = [len(x) for x in ds["input_ids"]]
     manifest = {
         "format": FORMAT, "version": 1, "complete": False,
@@ -172,6 +174,9 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     manifest["shards"] = _resumable_shards(out, manifest)
     if manifest["complete"]:
         return out
+    ensure_folder(plan, "features")
+    left = manifest["num_tokens"] - sum(s["tokens"] for s in manifest["shards"])
+    check_writable(out, "--output", left * (manifest["feature_dim"] * _DTYPES[dtype][0].itemsize + 17), inside=True)
     for stale in out.glob(".shard-*.tmp"):
         stale.unlink()
     done = {s["file"] for s in manifest["shards"]}

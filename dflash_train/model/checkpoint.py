@@ -13,10 +13,11 @@ import torch
 
 from convert import formats
 from convert.formats import speculators
-from convert.weights import DEFAULT_MAX_SHARD_BYTES, atomic_folder, read_tensors, write_json, write_tensors
+from convert.weights import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_json, write_tensors
 from dflash_train.errors import CheckpointError
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.modeling_dflash import DFlashDraftModel
+from dflash_train.outputs import folder_output
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -58,8 +59,13 @@ def clean_state_dict(tensors: dict[str, torch.Tensor], cfg: DFlashConfig, where:
 
 
 def save_drafter(model: DFlashDraftModel, out: str | Path, dtype: str | None = None,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra_files: dict[str, object] | None = None) -> Path:
-    """Write `model` in the speculators format, atomically. Weights in `dtype` (config's by default)."""
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra_files: dict[str, object] | None = None, *,
+                 overwrite: bool | None = False, own: bool = False, command: str = "save-drafter",
+                 flag: str = "output folder", sources=()) -> Path:
+    """Write `model` in the speculators format, atomically. Weights in `dtype` (config's by default).
+
+    `out` follows the output policy (dflash_train.outputs): `overwrite` replaces an earlier toolkit
+    output, `own` a folder the caller owns (a run's final/); anything else that exists is refused."""
     cfg = model.config
     if dtype is not None:
         cfg = cfg.model_copy(update={"dtype": dtype})
@@ -67,7 +73,8 @@ def save_drafter(model: DFlashDraftModel, out: str | Path, dtype: str | None = N
     tensors = {}
     for name, t in model.state_dict().items():
         tensors[name] = t if not t.is_floating_point() else t.to(torch_dtype)
-    with atomic_folder(Path(out)) as tmp:
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    with folder_output(out, flag, command, sources=sources, own=own, overwrite=overwrite, need_bytes=need) as tmp:
         write_tensors(tmp, tensors, max_shard_bytes=max_shard_bytes)
         write_json(tmp / "config.json", speculators.to_config_dict(cfg))
         for name, data in (extra_files or {}).items():

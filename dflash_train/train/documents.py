@@ -45,8 +45,9 @@ def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
 
     root = data_cache_root(data, target_path)
     prepared = root / "prepared"
+    # the cache's folders are the toolkit's own: a stale one (its source file changed) is replaced
     prepare_dataset(target_path, data.source, prepared, max_samples=data.max_samples, max_length=data.max_length,
-                    split=data.split, subset=data.subset, max_turns=data.max_turns)
+                    split=data.split, subset=data.subset, max_turns=data.max_turns, overwrite=True)
     if not data.regenerate.enabled:
         return prepared
     from dflash_train.data.regenerate import regenerate_dataset
@@ -54,7 +55,7 @@ def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
     regen = root / "regenerated"
     r = data.regenerate
     regenerate_dataset(target_path, prepared, regen, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                       thinking=r.thinking, engine=r.engine, batch_size=r.batch_size, seed=seed)
+                       thinking=r.thinking, engine=r.engine, batch_size=r.batch_size, seed=seed, overwrite=True)
     return regen
 
 

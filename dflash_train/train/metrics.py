@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from convert.weights import write_json
+from dflash_train.outputs import png_software
 
 
 class RunLog:
@@ -98,7 +99,7 @@ def plot_curves(history: list[dict], path: Path) -> None:
         ax.legend()
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    fig.savefig(tmp, dpi=100, metadata={"Software": png_software("train")})
     plt.close(fig)
     tmp.replace(path)
 

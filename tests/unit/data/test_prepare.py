@@ -48,12 +48,18 @@ def test_prepare_writes_dataset_freqs_and_summary(tmp_path, smollm2_path):
     on_disk = json.loads((out / SUMMARY_FILE).read_text())
     assert on_disk["target"] == str(smollm2_path) and on_disk["inputs"]["max_length"] == 96
 
-    # same inputs: reused, not rewritten; other inputs: rewritten
+    # same inputs: reused, not rewritten; other inputs: refused, then rewritten with overwrite
     stamp = (out / "dataset_info.json").stat().st_mtime_ns
     again = prepare_dataset(None, src, out, max_length=96)
     assert again.get("cached") and (out / "dataset_info.json").stat().st_mtime_ns == stamp
-    other = prepare_dataset(None, src, out, max_length=600)
+    from dflash_train.errors import OutputError
+
+    with pytest.raises(OutputError, match="--output .*earlier dflash-toolkit output .*--overwrite"):
+        prepare_dataset(None, src, out, max_length=600)
+    assert (out / "dataset_info.json").stat().st_mtime_ns == stamp
+    other = prepare_dataset(None, src, out, max_length=600, overwrite=True)
     assert not other.get("cached") and other["rows"] == 4
+    assert json.loads((out / "prepare_summary.json").read_text())["inputs"]["max_length"] == 600
 
 
 def test_all_rows_dropped_is_an_error_and_writes_nothing(tmp_path):
@@ -61,7 +67,7 @@ def test_all_rows_dropped_is_an_error_and_writes_nothing(tmp_path):
     with pytest.raises(DataError, match="all 2 were dropped"):
         prepare_dataset(None, src, tmp_path / "out", max_length=64)
     assert not (tmp_path / "out").exists()
-    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["none.jsonl"]
 
 
 def test_load_prepared_rejects_bad_folders(tmp_path):

@@ -76,9 +76,18 @@ def test_large_drafters_are_sharded_with_an_index(tmp_path, smollm2_drafter):
 
 
 def test_overwriting_is_atomic_and_leaves_no_temp_folders(tmp_path, smollm2_drafter):
+    from dflash_train.errors import OutputError
+    from dflash_train.outputs import MARKER
+
     out = save_drafter(smollm2_drafter, tmp_path / "d", dtype="float32")
-    save_drafter(smollm2_drafter, out, dtype="float32")
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(OutputError, match="earlier dflash-toolkit output .*--overwrite"):
+        save_drafter(smollm2_drafter, out, dtype="bfloat16")
+    assert (out / "model.safetensors").read_bytes() == before
+    save_drafter(smollm2_drafter, out, dtype="bfloat16", overwrite=True)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    assert (out / MARKER).is_file()
 
 
 def test_speculators_frozen_copies_are_accepted_and_dropped(saved, smollm2_drafter):

@@ -1,0 +1,281 @@
+"""The output policy (dflash_train/outputs.py) on real folders and files: what is written, what is
+refused with which message, and that a refused or failed write changes nothing on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dflash_train import outputs as o
+from dflash_train.errors import DFlashError, OutputError
+from dflash_train.outputs import MARKER, STAMP_KEY, folder_output, plan_output
+
+
+def tree(root: Path) -> dict[str, tuple[int, str] | str]:
+    """Every path under root with (size, sha256) for files: equal trees mean nothing changed."""
+    out: dict = {}
+    for dirpath, dirs, files in os.walk(root):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
+        for f in files:
+            p = Path(dirpath, f)
+            out[str(p.relative_to(root))] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def toolkit_folder(path: Path, command: str = "prepare", payload: bytes = b"old") -> Path:
+    with folder_output(path, "--output", command) as tmp:
+        (tmp / "data.bin").write_bytes(payload)
+    return path
+
+
+def user_folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("my thesis, do not lose")
+    return path
+
+
+def test_error_is_part_of_the_family():
+    assert issubclass(OutputError, DFlashError)
+
+
+# ---- folders ----------------------------------------------------------------------------
+
+def test_new_folder_is_written_with_parents_and_marked(tmp_path):
+    out = tmp_path / "a" / "b" / "out"
+    assert plan_output(out, "--output").action == o.NEW
+    with folder_output(out, "--output", "to-zlab") as tmp:
+        assert tmp.parent == out.parent and tmp.name.startswith(".tmp-out-")
+        (tmp / "w.bin").write_bytes(b"x" * 10)
+    assert (out / "w.bin").read_bytes() == b"x" * 10
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["tool"] == "dflash-toolkit" and marker["command"] == "to-zlab" and marker["created"].endswith("Z")
+    assert o.folder_stamp(out)["command"] == "to-zlab"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]  # no temp left beside
+
+
+def test_empty_folder_is_filled(tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert plan_output(out, "--output").action == o.EMPTY
+    with folder_output(out, "--output", "prepare") as tmp:
+        (tmp / "x").write_text("1")
+    assert (out / "x").read_text() == "1" and (out / MARKER).is_file()
+
+
+@pytest.mark.parametrize("overwrite", [False, True, None])
+def test_user_folder_is_never_replaced(tmp_path, overwrite):
+    out = user_folder(tmp_path / "mine")
+    before = tree(tmp_path)
+    with pytest.raises(OutputError) as err:
+        with folder_output(out, "--output", "prepare", overwrite=overwrite) as tmp:
+            (tmp / "x").write_text("1")
+    msg = str(err.value)
+    assert msg.startswith(f"--output {out}: ") and "not a dflash-toolkit output" in msg and MARKER in msg
+    assert "\n" not in msg and tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_regular_file_is_never_replaced_by_a_folder(tmp_path, overwrite):
+    out = tmp_path / "report.bin"
+    out.write_bytes(b"\x00user data")
+    before = tree(tmp_path)
+    with pytest.raises(OutputError, match=r"OUT .*report\.bin: is a file, not a folder"):
+        plan_output(out, "OUT", overwrite=overwrite)
+    assert tree(tmp_path) == before
+
+
+def test_toolkit_folder_needs_overwrite_then_is_replaced_atomically(tmp_path):
+    out = toolkit_folder(tmp_path / "prepared", "prepare", b"old")
+    before = tree(tmp_path)
+    with pytest.raises(OutputError, match=r"holds an earlier dflash-toolkit output \(prepare, .*--overwrite"):
+        with folder_output(out, "--output", "prepare") as tmp:
+            (tmp / "data.bin").write_bytes(b"new")
+    assert tree(tmp_path) == before
+    assert plan_output(out, "--output", overwrite=True).action == o.REPLACE
+    with folder_output(out, "--output", "regenerate", overwrite=True) as tmp:
+        (tmp / "data.bin").write_bytes(b"new")
+    assert (out / "data.bin").read_bytes() == b"new" and o.folder_stamp(out)["command"] == "regenerate"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared"]  # the old one moved aside and deleted
+
+
+def test_commands_without_overwrite_do_not_offer_it(tmp_path):
+    out = toolkit_folder(tmp_path / "prepared")
+    with pytest.raises(OutputError) as err:
+        plan_output(out, "--output", overwrite=None)
+    assert "--overwrite" not in str(err.value) and "choose a new path" in str(err.value)
+
+
+def test_a_failed_write_changes_nothing(tmp_path):
+    out = toolkit_folder(tmp_path / "d")
+    before = tree(tmp_path)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        with folder_output(out, "--output", "prepare", overwrite=True) as tmp:
+            (tmp / "data.bin").write_bytes(b"half")
+            raise RuntimeError("disk on fire")
+    assert tree(tmp_path) == before
+
+
+def test_own_folder_is_continued_in_place_and_checked_writable(tmp_path):
+    out = user_folder(tmp_path / "run")
+    plan = plan_output(out, "--output", own=True)
+    assert plan.action == o.OWN and plan.path == out
+
+
+def test_own_folder_without_marker_may_be_replaced_by_its_command(tmp_path):
+    """A run's final/ (own=True) is saved again on resume although an old save carries no marker."""
+    out = user_folder(tmp_path / "final")
+    with folder_output(out, "final", "train", own=True) as tmp:
+        (tmp / "w").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "w"]
+
+
+def test_symlink_is_refused(tmp_path):
+    real = toolkit_folder(tmp_path / "real")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(OutputError, match="symbolic link"):
+        plan_output(link, "OUT", overwrite=True)
+
+
+def test_install_folder_never_takes_over_a_folder_that_appeared(tmp_path):
+    tmp = tmp_path / ".tmp-x"
+    tmp.mkdir()
+    out = user_folder(tmp_path / "x")
+    with pytest.raises(OutputError, match="appeared while the output was being written"):
+        o.install_folder(tmp, out, replace_ok=False)
+    assert (out / "notes.txt").read_text() == "my thesis, do not lose"
+
+
+def test_discard_folder_removes_only_marked_folders(tmp_path):
+    mine = user_folder(tmp_path / "mine.partial")
+    ours = toolkit_folder(tmp_path / "ours.partial")
+    assert o.discard_folder(mine) is False and (mine / "notes.txt").is_file()
+    assert o.discard_folder(ours) is True and not ours.exists()
+    assert o.discard_folder(tmp_path / "missing") is False
+
+
+# ---- places that are never written -------------------------------------------------------
+
+@pytest.mark.parametrize("relation, make_out", [
+    ("is the source", lambda src: src),
+    ("lies inside the source", lambda src: src / "final"),
+    ("contains the source", lambda src: src.parent),
+])
+def test_source_relations_are_refused_even_with_overwrite(tmp_path, relation, make_out):
+    src = toolkit_folder(tmp_path / "runs" / "run")  # a toolkit folder: --overwrite alone would allow it
+    (src / "final").mkdir()
+    before = tree(tmp_path)
+    out = make_out(src)
+    with pytest.raises(OutputError) as err:
+        with folder_output(out, "OUT", "to-zlab", sources=[src], overwrite=True) as tmp:
+            (tmp / "x").write_text("1")
+    assert f"OUT {out}: {relation} {src}" in str(err.value)
+    assert tree(tmp_path) == before
+
+
+def test_source_through_a_symlink_is_recognised(tmp_path):
+    src = toolkit_folder(tmp_path / "src")
+    (tmp_path / "alias").symlink_to(src)
+    with pytest.raises(OutputError, match="is the source"):
+        plan_output(src, "OUT", sources=[tmp_path / "alias"], overwrite=True)
+
+
+def test_hub_ids_and_missing_sources_are_not_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert plan_output(tmp_path / "org", "OUT", sources=["org/model", None, "", tmp_path / "gone"]).action == o.NEW
+
+
+def test_current_home_root_and_their_parents_are_refused(tmp_path, monkeypatch):
+    home, work = tmp_path / "home", tmp_path / "home" / "work"
+    work.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    (work / "data.jsonl").write_text("{}\n")
+    before = tree(tmp_path)
+    for out, needle in ((".", "is the current folder"), (str(work), "is the current folder"),
+                        (str(home), "is your home folder"), ("/", "is the filesystem root"),
+                        ("..", "is your home folder"), (str(tmp_path), "contains the current folder")):
+        with pytest.raises(OutputError) as err:
+            plan_output(out, "--output", overwrite=True)
+        assert str(err.value).startswith(f"--output {out}: ") and needle in str(err.value), out
+    assert tree(tmp_path) == before
+
+
+# ---- files ------------------------------------------------------------------------------
+
+def _png(path: Path, software: str | None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(1, 1))
+    fig.savefig(path, format="png", metadata={"Software": software} if software else None)
+    plt.close(fig)
+    return path
+
+
+def test_file_stamps_are_recognised_and_user_files_are_not(tmp_path):
+    ours_json = tmp_path / "r.json"
+    ours_json.write_text(json.dumps({"tau": 2.0, STAMP_KEY: o.stamp("eval")}))
+    user_json = tmp_path / "u.json"
+    user_json.write_text(json.dumps({"tau": 2.0, STAMP_KEY: "forged but not a dict"}))
+    assert o.file_stamp(ours_json)["command"] == "eval" and o.file_stamp(user_json) is None
+    assert o.file_stamp(_png(tmp_path / "ours.png", o.png_software("eval")))["command"] == "eval"
+    assert o.file_stamp(_png(tmp_path / "user.png", None)) is None  # matplotlib's own Software text
+    (tmp_path / "cut.png").write_bytes((tmp_path / "ours.png").read_bytes()[:40])
+    assert o.file_stamp(tmp_path / "cut.png") is None
+    (tmp_path / "bin").write_bytes(b"\xff\xfe\x00")
+    assert o.file_stamp(tmp_path / "bin") is None
+
+
+def test_file_outputs_follow_the_same_rules(tmp_path):
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps({"tau": 1.5, STAMP_KEY: o.stamp("eval")}))
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"tau": 9}')
+    assert plan_output(tmp_path / "new.json", "--json", kind="file").action == o.NEW
+    with pytest.raises(OutputError, match=r"--json .*eval\.json: holds an earlier dflash-toolkit output \(eval"):
+        plan_output(report, "--json", kind="file")
+    assert plan_output(report, "--json", kind="file", overwrite=True).action == o.REPLACE
+    with pytest.raises(OutputError, match="not written by dflash-toolkit; it is never replaced"):
+        plan_output(mine, "--json", kind="file", overwrite=True)
+    with pytest.raises(OutputError, match="is a folder, not a file"):
+        plan_output(tmp_path, "--plot", kind="file", overwrite=True)
+    with pytest.raises(OutputError, match="is the source"):
+        plan_output(report, "--json", kind="file", sources=[report], overwrite=True)
+
+
+def test_two_flags_naming_one_file_are_refused(tmp_path):
+    with pytest.raises(OutputError, match=r"--plot .*x: --json names the same path"):
+        o.check_distinct(("--json", tmp_path / "x"), ("--plot", tmp_path / "sub" / ".." / "x"))
+    o.check_distinct(("--json", tmp_path / "x"), ("--plot", None), ("--other", tmp_path / "y"))
+
+
+# ---- writability and room -----------------------------------------------------------------
+
+def test_unwritable_location_fails_naming_flag_and_path(unwritable_dir):
+    out = unwritable_dir / "sub" / "report.json"
+    with pytest.raises(OutputError) as err:
+        plan_output(out, "--json", kind="file")
+    msg = str(err.value)
+    assert msg.startswith(f"--json {out}: cannot write in {unwritable_dir}") and "\n" not in msg
+    assert not (unwritable_dir / "sub").exists()
+
+
+def test_path_under_a_regular_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputError, match=r"--output .*f/run: .*f is a file, not a folder"):
+        plan_output(tmp_path / "f" / "run", "--output")
+
+
+def test_not_enough_room_is_refused_before_writing(tmp_path):
+    with pytest.raises(OutputError, match=r"--output .*: needs about .* but only .* are free"):
+        o.check_writable(tmp_path / "out", "--output", need_bytes=1 << 62)
+    o.check_writable(tmp_path / "out", "--output", need_bytes=1 << 20)
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind

@@ -9,21 +9,29 @@ OUTPUT/checkpoints/step-000050/
 Everything is written into `.tmp-step-000050` and renamed when every rank is done, so a
 folder named `step-*` is always complete; a crash leaves only a `.tmp-*` folder, which the
 next save removes. The last `keep_last` checkpoints are kept.
+
+A disk can still damage a finished one (a truncated engine file, an unreadable state.json, a
+missing shard): `checkpoint_problem` finds that from the files alone, and resuming falls back
+to the newest checkpoint that is whole, naming every damaged one it skips.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import shutil
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from convert.weights import write_json
+from convert.weights import tensor_shapes, write_json
 from dflash_train.errors import CheckpointError
 from dflash_train.model.checkpoint import save_drafter
-from dflash_train.train.engine import World, barrier, gathered_params
+from dflash_train.outputs import install_folder
+from dflash_train.train.engine import World, all_reduce_sum, barrier, gathered_params
 
 STATE = "trainer_state"
 
@@ -40,9 +48,92 @@ def list_checkpoints(output: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name.split("-")[1]))
 
 
-def latest_checkpoint(output: Path) -> Path | None:
-    ckpts = list_checkpoints(output)
-    return ckpts[-1] if ckpts else None
+def step_folders(output: Path) -> list[Path]:
+    """Every `checkpoints/step-N` folder, whole or not, oldest first."""
+    root = Path(output) / "checkpoints"
+    found = [p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def _torch_file_problem(path: Path, folder: Path) -> str | None:
+    """torch.save files are zip archives: a cut one has no central directory or short members."""
+    rel = path.relative_to(folder)
+    if not path.is_file():
+        return f"{rel} is missing"
+    try:
+        size = path.stat().st_size
+        with zipfile.ZipFile(path) as z:
+            if any(i.header_offset + i.compress_size > size for i in z.infolist()):
+                return f"{rel} is truncated"
+    except (OSError, zipfile.BadZipFile) as exc:
+        return f"{rel} is truncated or not a torch file ({exc})"
+    return None
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why `folder` cannot be resumed from, judged from its files alone (cheap: headers only), or None."""
+    folder = Path(folder)
+    state_file = folder / STATE / "state.json"
+    try:
+        state = json.loads(state_file.read_text())
+    except OSError:
+        return f"{STATE}/state.json is missing"
+    except ValueError as exc:
+        return f"{STATE}/state.json is unreadable ({exc})"
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        return f"{STATE}/state.json holds no step"
+    try:
+        json.loads((folder / "config.json").read_text())
+        tensor_shapes(folder)  # every listed weight file present, every header whole
+    except (OSError, ValueError, CheckpointError) as exc:
+        return f"drafter files damaged ({exc})"
+    engine = folder / STATE / "engine"
+    files = sorted(engine.glob("*model_states.pt"))
+    if not files:
+        return f"{STATE}/engine holds no model states"
+    ranks = int(state.get("world_size") or 1)
+    optim = sorted(engine.glob("*optim_states.pt"))
+    if optim:  # ZeRO: one optimizer shard per rank
+        missing = [r for r in range(ranks) if not any(f"zero_pp_rank_{r}_" in p.name for p in optim)]
+        if missing:
+            return f"{STATE}/engine lacks the optimizer shard of rank(s) {missing}"
+    files += optim + [folder / STATE / f"rng-rank{r}.pt" for r in range(ranks)]
+    for f in files:
+        problem = _torch_file_problem(f, folder)
+        if problem:
+            return problem
+    return None
+
+
+def usable_checkpoints(output: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """(whole checkpoints newest first, [(damaged checkpoint, why)] newest first)."""
+    whole, damaged = [], []
+    for folder in reversed(step_folders(output)):
+        problem = checkpoint_problem(folder)
+        if problem:
+            damaged.append((folder, problem))
+        else:
+            whole.append(folder)
+    return whole, damaged
+
+
+def resume_latest(engine, world: World, output: Path, notify: Callable[[str], None]) -> dict:
+    """Load the newest whole checkpoint; a damaged newer one is skipped with a warning naming it."""
+    for folder in reversed(step_folders(output)):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            try:
+                state = load_checkpoint(engine, world, folder)
+                failed = 0.0
+            except CheckpointError as exc:
+                state, failed, problem = None, 1.0, str(exc)
+            if all_reduce_sum(failed) == 0:  # every rank loaded it
+                notify(f"resuming from {folder} (step {state['step']})")
+                return state
+            problem = problem or "another rank could not load it"
+        notify(f"warning: checkpoint {folder} is damaged ({problem}); falling back to the one before it")
+    raise CheckpointError(f"--resume: no usable checkpoint in {Path(output) / 'checkpoints'} (all damaged, see the "
+                          "warnings above); move that folder away and start over, or choose a new --output")
 
 
 def save_checkpoint(engine, world: World, output: Path, step: int, state: dict, config_yaml: str,
@@ -57,7 +148,7 @@ def save_checkpoint(engine, world: World, output: Path, step: int, state: dict, 
     barrier()
     with gathered_params(engine):
         if world.is_main:
-            save_drafter(engine.module, tmp, dtype=save_dtype)  # creates tmp
+            save_drafter(engine.module, tmp, dtype=save_dtype, own=True, command="train")  # creates tmp
     barrier()
     engine.save_checkpoint(str(tmp / STATE), tag="engine", save_latest=False)
     torch.save({"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -67,9 +158,7 @@ def save_checkpoint(engine, world: World, output: Path, step: int, state: dict, 
     if world.is_main:
         (tmp / STATE / "resolved_config.yaml").write_text(config_yaml)
         write_json(tmp / STATE / "state.json", state)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        install_folder(tmp, final, replace_ok=True)  # a step folder of this run, saved again
         for old in list_checkpoints(output)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
@@ -84,13 +173,16 @@ def load_checkpoint(engine, world: World, folder: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{state_dir / 'state.json'}: unreadable ({exc}); delete {folder} to resume from "
                               "the one before") from exc
-    path, _ = engine.load_checkpoint(str(state_dir), tag="engine", load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
+    try:
+        path, _ = engine.load_checkpoint(str(state_dir), tag="engine", load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+        rng_file = state_dir / f"rng-rank{world.rank}.pt"
+        rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
+        raise CheckpointError(f"{state_dir}: cannot be loaded ({type(exc).__name__}: {str(exc)[:200]})") from exc
     if path is None:
         raise CheckpointError(f"{state_dir}/engine: DeepSpeed found no engine state; delete {folder} and resume again")
-    rng_file = state_dir / f"rng-rank{world.rank}.pt"
-    if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=False)
+    if rng is not None:
         random.setstate(rng["python"])
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
@@ -101,7 +193,7 @@ def load_checkpoint(engine, world: World, folder: Path) -> dict:
 def save_final(engine, world: World, output: Path, save_dtype: str, extra_files: dict | None = None) -> Path:
     out = Path(output) / "final"
     with gathered_params(engine):
-        if world.is_main:
-            save_drafter(engine.module, out, dtype=save_dtype, extra_files=extra_files)
+        if world.is_main:  # final/ of this run: replaced when a resumed run ends again
+            save_drafter(engine.module, out, dtype=save_dtype, extra_files=extra_files, own=True, command="train")
     barrier()
     return out

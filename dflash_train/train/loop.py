@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from dflash_train.data.packing import plan_microbatches
-from dflash_train.errors import ConfigError
+from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.train import checkpointing as ckpt
 from dflash_train.train.batches import build_microbatch, microbatch_loss
 from dflash_train.train.documents import DocumentSource, holdout_split, load_rows, offline_cache, prepared_rows
@@ -109,13 +111,22 @@ def validate(engine, recipe: TrainRecipe, source: DocumentSource, held: list[int
     return stats.all_reduce().summary()
 
 
-def _check_output(output: Path, resolved: ResolvedRecipe, resume: bool) -> None:
-    """Refuse to overwrite another run; on --resume refuse a run trained with other settings."""
+RESUME_MODES = ("must", "auto")  # --resume: a checkpoint must exist / resume one if it exists, else start
+
+
+def _check_output(output: Path, resolved: ResolvedRecipe, resume: str | None, sources: list) -> None:
+    """Before any heavy work: the run folder may be written (dflash_train.outputs), it holds no other
+    run and no foreign files, and --resume has something to resume (or is `auto`)."""
+    from dflash_train.outputs import plan_output
+
     cfg_file = output / "resolved_config.yaml"
-    if not cfg_file.is_file():
-        if output.is_dir() and any(output.iterdir()) and not resume:
-            raise ConfigError(f"--output {output}: folder is not empty and holds no training run; choose an empty "
-                              "or new folder")
+    is_run = cfg_file.is_file()
+    # a folder holding a run is this command's own; anything else non-empty is refused, --resume or not
+    plan_output(output, "--output", sources=sources, own=is_run, overwrite=None)
+    if not is_run:
+        if resume == "must":
+            raise ConfigError(f"--resume: {output} holds no training run to resume; run without --resume to start "
+                              "one, or pass --resume auto (resume when there is a checkpoint, else start)")
         return
     previous = load_recipe(cfg_file)
     if previous.identity() != resolved.identity():
@@ -123,9 +134,27 @@ def _check_output(output: Path, resolved: ResolvedRecipe, resume: bool) -> None:
         diff = next(k for k in old if old[k] != new[k])
         raise ConfigError(f"--output {output}: holds a different run (its `{diff}` section differs from this "
                           "recipe); choose a new --output (nothing was overwritten)")
-    if not resume:
+    if resume is None:
         raise ConfigError(f"--output {output}: holds a run already; pass --resume to continue it or choose a new "
                           "--output (nothing was overwritten)")
+    whole, damaged = ckpt.usable_checkpoints(output)
+    if whole:
+        return
+    if damaged:
+        folder, why = damaged[0]
+        raise CheckpointError(f"--resume: every checkpoint in {output / 'checkpoints'} is damaged ({folder.name}: "
+                              f"{why}); move that folder away and start over, or choose a new --output")
+    if resume == "must":
+        raise ConfigError(f"--resume: {output} has no checkpoint to resume from; pass --resume auto to start this "
+                          "run over in it, or choose a new --output")
+
+
+def _space_needed(drafter, recipe: TrainRecipe) -> int:
+    """Bytes the run writes at most: keep_last + 1 checkpoints (fp32 weights and Adam moments in the
+    engine file, the drafter in its save dtype) and final/."""
+    n = sum(p.numel() for p in drafter.parameters())
+    saved = {"float32": 4, "bfloat16": 2, "float16": 2}[recipe.drafter.dtype]
+    return n * (4 + 8 + saved) * (recipe.checkpoint.keep_last + 1) + n * saved
 
 
 def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer, data_path: Path):
@@ -171,15 +200,28 @@ def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenize
     return model
 
 
-def train(resolved: ResolvedRecipe, output: str | Path, resume: bool = False) -> dict:
-    """Train a drafter as the recipe says; returns the summary written to OUTPUT/summary.json."""
+def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | None = None, sources=(),
+          notify: Callable[[str], None] | None = None) -> dict:
+    """Train a drafter as the recipe says; returns the summary written to OUTPUT/summary.json.
+
+    `resume`: None (a new run), "must" (True) or "auto". `sources`: input paths besides the recipe's
+    own (the recipe file) that --output must not hold. `notify` gets one-line progress notes
+    (resumed from where, damaged checkpoints skipped); by default they are warnings.
+    """
     from convert.weights import write_json
     from dflash_train.features.target import load_target, resolve_target
+    from dflash_train.outputs import check_writable, ensure_folder, plan_output
 
     t_start = time.time()
     recipe, output = resolved.recipe, Path(output)
+    resume = {True: "must", False: None}.get(resume, resume)
+    if resume not in (None, *RESUME_MODES):
+        raise ConfigError(f"--resume {resume}: use --resume (a checkpoint must exist) or --resume auto")
+    notify = notify or (lambda msg: warnings.warn(msg, stacklevel=2))
+    d = recipe.data
+    sources = [*sources, recipe.target, d.prepared, d.source, d.feature_cache, recipe.drafter.init_from]
     world = init_distributed()
-    _check_output(output, resolved, resume)
+    _check_output(output, resolved, resume, sources)
     random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
 
@@ -193,6 +235,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: bool = False) ->
     barrier()
     data_path = prepared_rows(recipe.data, target_path, recipe.seed) if not world.is_main else data_path
     drafter = _build_drafter(recipe, target_path, target_model, tokenizer, data_path).to(world.device)
+    check_writable(output, "--output", _space_needed(drafter, recipe), inside=output.is_dir())
     rows = load_rows(data_path)
     train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.seed)
     cache = None
@@ -207,19 +250,19 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: bool = False) ->
     engine.module.attach_target(target_model)
 
     state = {"step": 0, "tokens": 0, "positions": 0, "history": []}
-    latest = ckpt.latest_checkpoint(output) if resume else None
-    if latest is not None:
-        state = ckpt.load_checkpoint(engine, world, latest)
+    if resume and ckpt.step_folders(output):
+        state = ckpt.resume_latest(engine, world, output, notify if world.is_main else (lambda msg: None))
     config_yaml = resolved.to_yaml()
     if world.is_main:
-        output.mkdir(parents=True, exist_ok=True)
+        is_run = (output / "resolved_config.yaml").is_file()
+        ensure_folder(plan_output(output, "--output", sources=sources, own=is_run, overwrite=None), "train")
         (output / "resolved_config.yaml").write_text(config_yaml)
         write_json(output / "holdout_rows.json", {"data": str(data_path), "rows": held, "num_rows": len(rows)})
     log = RunLog(output, world.is_main, state["history"])
     progress = Progress(plan.total, state["step"], world.is_main and recipe.logging.progress)
 
     def save(step: int) -> None:
-        snapshot = {"step": step, "tokens": state["tokens"], "positions": state["positions"],
+        snapshot = {"step": step, "world_size": world.size, "tokens": state["tokens"], "positions": state["positions"],
                     "epoch": plan.locate(step)[0] if step < plan.total else None, "history": log.history}
         ckpt.save_checkpoint(engine, world, output, step, snapshot, config_yaml, recipe.checkpoint.keep_last,
                              recipe.drafter.dtype)

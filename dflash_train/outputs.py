@@ -190,11 +190,12 @@ def _size(n: float) -> str:
 
 
 def plan_output(path: str | Path, flag: str, *, kind: str = "folder", sources: Iterable = (), own: bool = False,
-                overwrite: bool | None = False, need_bytes: int = 0) -> OutputPlan:
+                overwrite: bool | None = False, need_bytes: int = 0, writable: bool = True) -> OutputPlan:
     """Decide whether `path` may be written, or raise OutputError naming it.
 
     `own`: the caller recognised `path` as this command's own resumable output.
     `overwrite`: the user's --overwrite; None where the command has no such flag.
+    `writable=False` skips the write probe: an own output that is complete is only read.
     """
     if kind not in ("folder", "file"):
         raise ValueError(f"kind must be folder or file, not {kind!r}")
@@ -234,7 +235,8 @@ def plan_output(path: str | Path, flag: str, *, kind: str = "folder", sources: I
             action = REPLACE
         else:
             raise OutputError(f"{flag} {path}: holds {_describe(st)}; choose a new path{hint}")
-    check_writable(path, flag, need_bytes, inside=action == OWN)
+    if writable:
+        check_writable(path, flag, need_bytes, inside=action == OWN)
     return OutputPlan(path, flag, action)
 
 

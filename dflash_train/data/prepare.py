@@ -39,10 +39,10 @@ def prepare_dataset(target: str | None, source: str, output: str | Path, max_sam
             raise DataError(f"--max-turns must be >= 1, got {max_turns}")
         inputs["max_turns"] = max_turns
     cached = cached_summary(output, inputs)
-    sources = [source, target]
-    plan_output(output, "--output", sources=sources, own=cached is not None, overwrite=overwrite)
-    if cached is not None:
+    if cached is not None:  # this command's own output, complete: reused, nothing is written
         return cached
+    sources = [source, target]
+    plan_output(output, "--output", sources=sources, overwrite=overwrite)
     tokenizer = load_tokenizer(target_path)
     conversations = load_conversations(source, split=split, subset=subset, max_samples=max_samples)
     if max_turns is not None:

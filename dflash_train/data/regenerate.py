@@ -54,10 +54,10 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
               "thinking": thinking, "engine": engine, "batch_size": batch_size, "seed": seed,
               "max_length": max_length}
     cached = cached_summary(output, inputs)
-    sources = [data, target]
-    plan_output(output, "--output", sources=sources, own=cached is not None, overwrite=overwrite)
-    if cached is not None:
+    if cached is not None:  # this command's own output, complete: reused, nothing is written
         return cached
+    sources = [data, target]
+    plan_output(output, "--output", sources=sources, overwrite=overwrite)
     work = Path(f"{output}.partial")
     # the work folder is this command's own when an earlier run left its settings there
     work_plan = plan_output(work, "--output (its .partial work folder)", sources=sources,

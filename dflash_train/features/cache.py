@@ -149,8 +149,11 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     if batch_size < 1 or rows_per_shard < 1:
         raise DataError("--batch-size and --rows-per-shard must be >= 1")
     out = Path(output)
-    # a folder with a manifest is this command's own (resumed, or refused below when its inputs differ)
-    plan = plan_output(out, "--output", sources=[data, target], own=(out / MANIFEST_FILE).is_file(), overwrite=None)
+    # a folder with a manifest is this command's own (resumed, or refused below when its inputs differ);
+    # one that says it is complete may be read-only: the write check waits until work is left
+    own = (out / MANIFEST_FILE).is_file()
+    plan = plan_output(out, "--output", sources=[data, target], own=own, overwrite=None,
+                       writable=not (own and _read_manifest(out).get("complete")))
     ds = load_prepared(data)
     target_path = resolve_target(target)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "convert")
 from convert_fixtures import smollm2_cfg, tiny_cfg, write_config, write_drafter  # noqa: E402
 from hub_server import LocalHub  # noqa: E402
 
+from dflash_train.outputs import MARKER  # noqa: E402
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 EXE = str(Path(sys.executable).parent / "dflash-convert")
 TOKEN = "hf_e2e_secret_77aa01"
@@ -63,10 +65,11 @@ def test_push_to_hub_dry_run_and_upload(tmp_path):
     write_drafter(tmp_path / "d", tiny_cfg(), max_shard_bytes=30_000)
     (tmp_path / "d" / "scratch.bin").write_bytes(b"x")
     dry = cli("push-to-hub", tmp_path / "d", "org/tiny-dflash", "--dry-run", check=0).stdout
-    files = sorted(p.name for p in (tmp_path / "d").iterdir() if p.name != "scratch.bin") + ["README.md"]
+    # the toolkit's output marker stays local, like any file that is not part of the checkpoint
+    files = sorted(p.name for p in (tmp_path / "d").iterdir() if p.name not in ("scratch.bin", MARKER)) + ["README.md"]
     for name in files:
         assert f"  {name}\n" in dry
-    assert "scratch.bin" not in dry and "nothing uploaded" in dry and "vllm serve" in dry
+    assert "scratch.bin" not in dry and MARKER not in dry and "nothing uploaded" in dry and "vllm serve" in dry
     with LocalHub() as hub:
         proc = cli("push-to-hub", tmp_path / "d", "org/tiny-dflash", "--token-env", "E2E_TOKEN",
                    env={"E2E_TOKEN": TOKEN, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"}, check=0)

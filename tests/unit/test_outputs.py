@@ -279,3 +279,10 @@ def test_not_enough_room_is_refused_before_writing(tmp_path):
         o.check_writable(tmp_path / "out", "--output", need_bytes=1 << 62)
     o.check_writable(tmp_path / "out", "--output", need_bytes=1 << 20)
     assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
+
+
+def test_a_complete_own_output_may_be_read_only(unwritable_dir):
+    """A finished cache in a read-only place is reused: only a write it needs must be possible."""
+    assert plan_output(unwritable_dir, "--output", own=True, writable=False).action == o.OWN
+    with pytest.raises(OutputError, match="cannot write in"):
+        plan_output(unwritable_dir, "--output", own=True)

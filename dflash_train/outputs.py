@@ -229,8 +229,8 @@ def plan_output(path: str | Path, flag: str, *, kind: str = "folder", sources: I
         if own and st is not None:
             action = REPLACE
         elif st is None:
-            raise OutputError(f"{flag} {path}: file exists and was not written by dflash-toolkit; it is never "
-                              "replaced, --overwrite or not. Choose a new path")
+            raise OutputError(f"{flag} {path}: file exists and is not a dflash-toolkit output (it carries no "
+                              "dflash-toolkit stamp); it is never replaced, --overwrite or not. Choose a new path")
         elif overwrite:
             action = REPLACE
         else:

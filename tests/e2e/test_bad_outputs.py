@@ -181,7 +181,7 @@ def test_eval_never_replaces_a_user_file(tmp_path, eval_inputs):
     mine.write_text('{"tau": 3.1, "notes": "mine"}')
     before = tree(tmp_path)
     refused(cli("dflash-train", "eval", "--draft", draft, "--prompts", prompts, "--target", empty_target,
-                "--json", mine, "--overwrite"), f"--json {mine}:", "not written by dflash-toolkit")
+                "--json", mine, "--overwrite"), f"--json {mine}:", "not a dflash-toolkit output")
     refused(cli("dflash-train", "eval", "--draft", draft, "--prompts", prompts, "--target", empty_target,
                 "--plot", draft / "config.json", "--overwrite"), f"--plot {draft / 'config.json'}:",
             f"lies inside the source {draft}")

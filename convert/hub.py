@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,17 @@ def plan_push(folder: str | Path, repo_id: str, *, private: bool = False, revisi
     return PushPlan(folder, repo_id, upload_files(folder), card, revision, private, notes)
 
 
+def check_token_env(token_env: str) -> None:
+    """`--token-env` names a variable; a value that looks like a token itself is refused unseen."""
+    looks_like_token = token_env.startswith("hf_") and len(token_env) > 20
+    if looks_like_token or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", token_env):
+        raise ConfigError("--token-env takes the NAME of the environment variable that holds the token (e.g. "
+                          "HF_TOKEN), not the token; the value given is not shown. Run `export HF_TOKEN=...` "
+                          "and pass --token-env HF_TOKEN (or leave it out)")
+
+
 def resolve_token(token_env: str = "HF_TOKEN") -> str:
+    check_token_env(token_env)
     token = os.environ.get(token_env)
     if token:
         return token

@@ -39,8 +39,8 @@ class FiniteGuard:
                 self._fold(step, GRADIENTS, torch.nn.utils.get_total_norm(grads))
 
     def _advice(self) -> str:
-        clip = f"optim.grad_clip (now {self.grad_clip:g})" if self.grad_clip else "set optim.grad_clip (now off)"
-        return (f"lower optim.lr (now {self.lr:g}) or check {clip}; nothing from this step on was saved "
+        clip = f"tighten optim.grad_clip (now {self.grad_clip:g})" if self.grad_clip else "set optim.grad_clip (now off)"
+        return (f"lower optim.lr (now {self.lr:g}) or {clip}; nothing from this step on was saved "
                 "(the newest checkpoint, if any, is from before it)")
 
     def check(self) -> None:

@@ -158,3 +158,20 @@ def test_drafter_module_tree_matches_checkpoint_names(tiny_config):
     # attribute names are the tensor names: a state dict round-trips with no renaming
     model = DFlashDraftModel(tiny_config)
     assert DFlashDraftModel(tiny_config).load_state_dict(model.state_dict(), strict=True)
+
+
+def test_a_non_finite_drafter_is_never_written(tmp_path, tiny_config):
+    model = DFlashDraftModel(tiny_config)
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight[3, 2] = float("inf")
+    with pytest.raises(CheckpointError, match=r"tensor `layers.1.mlp.down_proj.weight` holds NaN or inf; refusing"):
+        save_drafter(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []  # no folder, no temp folder
+
+
+def test_a_nan_drafter_is_refused_on_load(saved):
+    tensors = load_file(str(saved / "model.safetensors"))
+    tensors["hidden_norm.weight"][5] = float("nan")
+    save_file(tensors, str(saved / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"--draft {saved}: tensor `hidden_norm.weight` holds NaN or inf"):
+        load_drafter(saved, what="--draft")

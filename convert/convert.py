@@ -22,7 +22,7 @@ from dflash_train.model.config import DFlashConfig
 from . import formats
 from .run_folder import find_drafter_folder
 from .stream import CODES, DTYPES, OutTensor, TensorRef, folder_refs, write_streaming
-from .validate import check_drafter, find_local_target
+from .validate import check_drafter, find_local_target, refusal
 from .weights import DEFAULT_MAX_SHARD_BYTES, atomic_folder, write_json
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -90,7 +90,10 @@ def read_source(src: str | Path, *, mask_token_id: int | None = None, layer_ids:
     module = formats.detect_format(folder)
     raw = formats.read_config_json(folder)
     where = str(folder / "config.json")
-    refs = folder_refs(folder)
+    try:
+        refs = folder_refs(folder)
+    except CheckpointError as exc:  # a truncated or unreadable weights file
+        raise refusal(folder, "SRC", str(exc)) from None
     if module is formats.zlab:
         _patch_zlab_layer_ids(raw, refs, layer_ids, where)
         cfg = module.from_config_dict(raw, where, mask_token_id=mask_token_id)

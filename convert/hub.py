@@ -182,6 +182,24 @@ def push(plan: PushPlan, *, token_env: str = "HF_TOKEN", endpoint: str | None = 
         return _commit(api, plan, CommitOperationAdd)
     except HfHubHTTPError as exc:  # the hub's message names the status and URL, never the token
         raise HubError(f"upload to {plan.repo_id} failed: {str(exc).splitlines()[0]}") from None
+    except _network_errors() as exc:  # unreachable endpoint, offline mode, timeouts
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        raise HubError(f"upload to {plan.repo_id}: cannot reach the hub at {api.endpoint} ({type(exc).__name__}"
+                       f"{': ' + reason if reason else ''}); check the network, HF_ENDPOINT and HF_HUB_OFFLINE, "
+                       "then push again (nothing was uploaded unless the hub said so)") from None
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """Transport failures of the HTTP client huggingface_hub uses (httpx, or its fork httpx2), and OSError."""
+    import importlib
+
+    errors: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
 
 
 def _commit(api, plan: PushPlan, CommitOperationAdd) -> str:

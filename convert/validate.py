@@ -299,10 +299,15 @@ def check_drafter(folder: str | Path, cfg, *, what: str = "drafter", target_conf
             report.add("finite_weights", check_finite(refs))
     failures = report.failures()
     if failures:
-        reason = failures[0].reason.removeprefix(f"{folder}/")  # the folder is named once
-        more = f" (and {len(failures) - 1} more failed checks)" if len(failures) > 1 else ""
-        raise CheckpointError(f"{what} {folder}: {reason}{more}; `dflash-convert validate {folder}` lists every check")
+        raise refusal(folder, what, failures[0].reason, len(failures) - 1)
     return report
+
+
+def refusal(folder: Path, what: str, reason: str, more: int = 0) -> CheckpointError:
+    """The one-line error for a drafter a command will not load."""
+    reason = reason.removeprefix(f"{folder}/")  # the folder is named once
+    extra = f" (and {more} more failed checks)" if more else ""
+    return CheckpointError(f"{what} {folder}: {reason}{extra}; `dflash-convert validate {folder}` lists every check")
 
 
 # ------------------------------------------------------------------------------------------

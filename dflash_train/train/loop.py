@@ -233,7 +233,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: bool = False) ->
     guard, lg = FiniteGuard(world.device, recipe.optim.lr, recipe.optim.grad_clip), recipe.logging
     for step in range(state["step"], plan.total):
         stats, tokens = train_step(engine, recipe, source, plan, world, step, guard)
-        if any((step + 1) % n == 0 for n in (lg.log_every, lg.eval_every, recipe.checkpoint.save_every)):
+        if step + 1 == plan.total or any((step + 1) % n == 0 for n in (lg.log_every, lg.eval_every,
+                                                                        recipe.checkpoint.save_every)):
             guard.check()  # read once before anything is logged, validated or saved from this step
         state["tokens"] += tokens
         state["positions"] += int(stats.valid.sum())

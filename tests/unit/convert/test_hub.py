@@ -88,3 +88,13 @@ def test_a_token_given_as_the_variable_name_is_refused_unseen(run, value):
     assert value not in str(info.value)
     for name in ("HF_TOKEN", "MY_HUB_TOKEN", "hf_token", "_X1"):
         check_token_env(name)
+
+
+def test_an_unreachable_hub_is_one_error_without_the_token(run, monkeypatch):
+    from convert.hub import HubError
+
+    monkeypatch.setenv("MY_HUB_TOKEN", TOKEN)
+    plan = plan_push(run / "final", "org/tiny-dflash")
+    with pytest.raises(HubError, match=r"cannot reach the hub at http://127.0.0.1:9 \(ConnectError") as info:
+        push(plan, token_env="MY_HUB_TOKEN", endpoint="http://127.0.0.1:9")
+    assert TOKEN not in str(info.value) and "\n" not in str(info.value)

@@ -78,7 +78,7 @@ def to_zlab(
 
     max_bytes = int(max_shard_gb * 1024**3)
     plan_output(out, "OUT", sources=[src, target], overwrite=overwrite)
-    source = read_source(src, mask_token_id=mask_token_id)
+    source = read_source(src, mask_token_id=mask_token_id, target=target)
     if source.config.reduced_vocab and not expand_vocab:
         raise CheckpointError(
             f"{source.folder}: reduced-vocab drafter (draft_vocab_size {source.config.draft_vocab_size} < "
@@ -152,8 +152,9 @@ def push_to_hub(
     dry_run: bool = typer.Option(False, help="list the files and print the card; upload nothing"),
 ) -> None:
     """Validate, write a model card and upload only the checkpoint files."""
-    from convert.hub import plan_push, push
+    from convert.hub import check_token_env, plan_push, push
 
+    check_token_env(token_env)  # before any output: a token passed here by mistake is never echoed
     plan = plan_push(folder, repo_id, private=private, revision=revision, license=license)
     for note in plan.notes:
         print(f"note: {note}")

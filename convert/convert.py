@@ -23,6 +23,7 @@ from dflash_train.outputs import folder_output, plan_output
 from . import formats
 from .run_folder import find_drafter_folder
 from .stream import CODES, DTYPES, OutTensor, TensorRef, folder_refs, write_streaming
+from .validate import check_drafter, find_local_target, refusal
 from .weights import DEFAULT_MAX_SHARD_BYTES, write_json
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -82,17 +83,24 @@ def _patch_zlab_layer_ids(raw: dict[str, Any], refs: list[TensorRef], layer_ids:
     inner["target_layer_ids"] = default_target_layer_ids(raw["num_target_layers"], fc.shape[1] // hidden)
 
 
-def read_source(src: str | Path, *, mask_token_id: int | None = None, layer_ids: list[int] | None = None) -> Source:
+def read_source(src: str | Path, *, mask_token_id: int | None = None, layer_ids: list[int] | None = None,
+                target: str | None = None) -> Source:
+    """The source drafter, after `validate`'s structural checks (and against `target` when its config
+    is found locally): a broken source is refused before anything is written."""
     folder = resolve_source(src)
     module = formats.detect_format(folder)
     raw = formats.read_config_json(folder)
     where = str(folder / "config.json")
-    refs = folder_refs(folder)
+    try:
+        refs = folder_refs(folder)
+    except CheckpointError as exc:  # a truncated or unreadable weights file
+        raise refusal(folder, "SRC", str(exc)) from None
     if module is formats.zlab:
         _patch_zlab_layer_ids(raw, refs, layer_ids, where)
         cfg = module.from_config_dict(raw, where, mask_token_id=mask_token_id)
     else:
         cfg = module.from_config_dict(raw, where)
+    check_drafter(folder, cfg, what="SRC", target=target)
     return Source(folder, module.NAME, raw, cfg, refs)
 
 
@@ -100,28 +108,11 @@ def read_source(src: str | Path, *, mask_token_id: int | None = None, layer_ids:
 # config overrides
 def verifier_architectures(name_or_path: str | None) -> list[str] | None:
     """`architectures` from the verifier's config.json when it is a local folder or cached."""
-    if not name_or_path:
-        return None
-    path = Path(name_or_path) / "config.json"
-    if not path.is_file():
-        from dflash_train.features.target import DEFAULT_TARGET_NAME, cache_dir
-
-        path = None
-        if name_or_path == DEFAULT_TARGET_NAME:
-            cached = cache_dir() / "targets" / "SmolLM2-135M-Instruct" / "config.json"
-            path = cached if cached.is_file() else None
-        if path is None and "/" in name_or_path and not Path(name_or_path).exists():
-            try:
-                from huggingface_hub import try_to_load_from_cache
-
-                hit = try_to_load_from_cache(name_or_path, "config.json")
-                path = Path(hit) if isinstance(hit, str) else None
-            except Exception:  # an id the hub library rejects: no architectures
-                path = None
-    if path is None:
+    folder = find_local_target(name_or_path)
+    if folder is None:
         return None
     try:
-        return list(json.loads(path.read_text()).get("architectures") or []) or None
+        return list(json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []) or None
     except ValueError:
         return None
 
@@ -247,7 +238,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, to: str, *, verifier: s
     or any of `sources`, and an existing output is replaced only with `overwrite`."""
     sources = [src, *sources]
     plan_output(out, "OUT", sources=sources, overwrite=overwrite)
-    source = source or read_source(src, mask_token_id=mask_token_id, layer_ids=layer_ids)
+    source = source or read_source(src, mask_token_id=mask_token_id, layer_ids=layer_ids, target=verifier)
     cfg = config or apply_overrides(source.config, verifier=verifier, block_size=block_size,
                                     mask_token_id=mask_token_id, layer_ids=layer_ids)
     notes: list[str] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,17 @@ def plan_push(folder: str | Path, repo_id: str, *, private: bool = False, revisi
     return PushPlan(folder, repo_id, upload_files(folder), card, revision, private, notes)
 
 
+def check_token_env(token_env: str) -> None:
+    """`--token-env` names a variable; a value that looks like a token itself is refused unseen."""
+    looks_like_token = token_env.startswith("hf_") and len(token_env) > 20
+    if looks_like_token or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", token_env):
+        raise ConfigError("--token-env takes the NAME of the environment variable that holds the token (e.g. "
+                          "HF_TOKEN), not the token; the value given is not shown. Run `export HF_TOKEN=...` "
+                          "and pass --token-env HF_TOKEN (or leave it out)")
+
+
 def resolve_token(token_env: str = "HF_TOKEN") -> str:
+    check_token_env(token_env)
     token = os.environ.get(token_env)
     if token:
         return token
@@ -171,6 +182,24 @@ def push(plan: PushPlan, *, token_env: str = "HF_TOKEN", endpoint: str | None = 
         return _commit(api, plan, CommitOperationAdd)
     except HfHubHTTPError as exc:  # the hub's message names the status and URL, never the token
         raise HubError(f"upload to {plan.repo_id} failed: {str(exc).splitlines()[0]}") from None
+    except _network_errors() as exc:  # unreachable endpoint, offline mode, timeouts
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        raise HubError(f"upload to {plan.repo_id}: cannot reach the hub at {api.endpoint} ({type(exc).__name__}"
+                       f"{': ' + reason if reason else ''}); check the network, HF_ENDPOINT and HF_HUB_OFFLINE, "
+                       "then push again (nothing was uploaded unless the hub said so)") from None
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """Transport failures of the HTTP client huggingface_hub uses (httpx, or its fork httpx2), and OSError."""
+    import importlib
+
+    errors: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
 
 
 def _commit(api, plan: PushPlan, CommitOperationAdd) -> str:

@@ -3,18 +3,23 @@
 Runs the format's config rules (`convert.rules`), then file, tensor and optional target
 checks. Every check is a named function; the result is a list of (check, status, reason)
 rows. Nothing here prints: the CLI renders the report.
+
+`check_drafter` runs the structural subset (files whole, tensors present with the config's
+shapes, finite, vocab maps, mask embedding, and the target where it is known) and raises;
+every command that loads a drafter calls it, so none of them accepts what `validate` refuses.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_train.errors import DFlashError
+from dflash_train.errors import CheckpointError, DFlashError
+from dflash_train.model.modeling_dflash import expected_shapes
 
 from . import formats
 from .rules import RULES, Fail, Warn
@@ -26,6 +31,8 @@ PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
 FATAL_EXTRAS = ("d2t", "t2d", "mask_hidden")
 # frozen copies speculators itself writes; vLLM borrows the target's, the toolkit leaves them out
 TOLERATED_EXTRAS = ("embed_tokens.weight", "lm_head.weight")
+# what loaders and converters accept and drop: other writers' frozen copies and vocab maps
+DROPPED_ON_LOAD = TOLERATED_EXTRAS + FATAL_EXTRAS
 
 
 @dataclass
@@ -108,6 +115,21 @@ def check_tensor_names(refs: list[TensorRef], expected: dict, fmt: str) -> Warn 
     return None
 
 
+def loader_view(refs: list[TensorRef], expected: dict) -> tuple[list[TensorRef], Fail | None]:
+    """The tensors as a loader keeps them: `model.` prefixes stripped, other writers' extras dropped."""
+    kept = []
+    for ref in refs:
+        name = ref.name
+        if name.startswith("model.") and name[len("model."):] in expected:
+            name = name[len("model."):]
+        if name in expected:
+            kept.append(ref if name == ref.name else replace(ref, name=name))
+        elif name not in DROPPED_ON_LOAD and not name.startswith("verifier_"):
+            return kept, Fail(f"unknown tensor `{ref.name}`; a DFlash drafter holds only fc, hidden_norm, layers.*, "
+                              "norm (and lm_head/d2t/t2d when the vocab is reduced)")
+    return kept, None
+
+
 def check_tensors_present(refs: list[TensorRef], expected: dict) -> Fail | None:
     missing = sorted(set(expected) - {r.name for r in refs})
     if missing:
@@ -182,35 +204,115 @@ def check_sglang_full_vocab(refs: list[TensorRef]) -> Fail | None:
 
 # ------------------------------------------------------------------------------------------
 # target checks
-def target_checks(report: Report, cfg, target: str | None) -> None:
-    from transformers import AutoConfig
+def find_local_target(name_or_path: str | None) -> str | None:
+    """A folder holding the config.json of `name_or_path` without any network: the folder itself,
+    the toolkit's converted copy of the embedded default, or the HF cache. None when not found."""
+    if not name_or_path:
+        return None
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return str(path)
+    from dflash_train.features.target import DEFAULT_TARGET_NAME, cache_dir
 
+    if name_or_path == DEFAULT_TARGET_NAME:
+        cached = cache_dir() / "targets" / "SmolLM2-135M-Instruct"
+        return str(cached) if (cached / "config.json").is_file() else None
+    if "/" in name_or_path and not path.exists():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(name_or_path, "config.json")
+        except Exception:  # an id the hub library rejects is simply not in the cache
+            return None
+        return str(Path(hit).parent) if isinstance(hit, str) else None
+    return None
+
+
+def check_against_target(report: Report, cfg, target_config, tokenizer=None, name: str = "") -> None:
+    """Hidden size, layer ids, vocab and (with a tokenizer) the mask id against a loaded target config."""
     from dflash_train.features.mask_token import check_mask_token_id
-    from dflash_train.features.target import load_tokenizer, resolve_target
 
-    path = resolve_target(target)
-    tc = AutoConfig.from_pretrained(path).get_text_config()
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    which = f" ({name})" if name else ""
     report.add("target_hidden_size", None if cfg.target_hidden_size == tc.hidden_size else Fail(
-        f"`target_hidden_size` {cfg.target_hidden_size} != the target's hidden_size {tc.hidden_size}"))
+        f"target_hidden_size {cfg.target_hidden_size} differs from the target's hidden_size {tc.hidden_size}{which}; "
+        "this drafter was made for another target"))
     top = max(cfg.aux_hidden_state_layer_ids)
     report.add("target_layers", None if top <= tc.num_hidden_layers and (
         cfg.num_target_layers in (None, tc.num_hidden_layers)) else Fail(
-        f"`aux_hidden_state_layer_ids` {cfg.aux_hidden_state_layer_ids} / `num_target_layers` {cfg.num_target_layers} "
-        f"do not fit the target's {tc.num_hidden_layers} layers"))
+        f"aux_hidden_state_layer_ids {cfg.aux_hidden_state_layer_ids} / num_target_layers {cfg.num_target_layers} "
+        f"do not fit the target's {tc.num_hidden_layers} layers{which}"))
     report.add("target_vocab", None if cfg.vocab_size == tc.vocab_size else Fail(
-        f"`vocab_size` {cfg.vocab_size} != the target's vocab_size {tc.vocab_size}"))
+        f"vocab_size {cfg.vocab_size} differs from the target's vocab_size {tc.vocab_size}{which}"))
+    if tokenizer is None:
+        return
     try:
-        check_mask_token_id(cfg.mask_token_id, load_tokenizer(path), tc.vocab_size)
+        check_mask_token_id(cfg.mask_token_id, tokenizer, tc.vocab_size)
         report.add("target_mask_token", None)
     except DFlashError as exc:
         report.add("target_mask_token", Fail(str(exc)))
 
 
+def target_checks(report: Report, cfg, target: str | None) -> None:
+    from dflash_train.features.target import load_target_config, load_tokenizer, resolve_target
+
+    path = resolve_target(target)
+    check_against_target(report, cfg, load_target_config(path), load_tokenizer(path), target or path)
+
+
+def structure_checks(report: Report, folder: Path, cfg, refs: list[TensorRef], expected: dict) -> None:
+    report.add("tensors_present", check_tensors_present(refs, expected))
+    report.add("tensor_shapes", check_tensor_shapes(refs, expected))
+    report.add("vocab_maps", check_vocab_maps(refs, cfg))
+    report.add("mask_embedding", check_mask_embedding(folder, cfg))
+
+
+def check_drafter(folder: str | Path, cfg, *, what: str = "drafter", target_config=None, tokenizer=None,
+                  target: str | None = None) -> Report:
+    """The structural checks of `validate` for a drafter about to be loaded or converted; raises
+    CheckpointError naming the first failure. `cfg` is the config the caller will use (after its
+    overrides). The target is checked when given loaded (`target_config`, `tokenizer`) or named
+    (`target`) and found locally; engine-only config rules are left to `validate`."""
+    folder = Path(folder)
+    report = Report(str(folder), None)
+    if target_config is None and (local := find_local_target(target)) is not None:
+        from dflash_train.features.target import load_target_config, load_tokenizer
+
+        try:  # a named target is checked where it can be read; the engine reads it again anyway
+            target_config = load_target_config(local)
+        except DFlashError as exc:
+            report.add("target", (SKIP, f"{target}: unreadable here ({exc}); target checks skipped"))
+        try:
+            tokenizer = load_tokenizer(local) if target_config is not None else None
+        except DFlashError:  # a cached config without tokenizer files: the mask id stays unchecked
+            tokenizer = None
+    if target_config is not None:  # first: a drafter for another target also fails the shape checks
+        check_against_target(report, cfg, target_config, tokenizer, target or "")
+    refs, problem = check_weight_files(folder)
+    report.add("weights_readable", problem)
+    if refs:
+        expected = expected_shapes(cfg)
+        refs, names = loader_view(refs, expected)
+        report.add("tensor_names", names)
+        structure_checks(report, folder, cfg, refs, expected)
+        if report.ok:  # reading every tensor is the slow part: only for an otherwise sound folder
+            report.add("finite_weights", check_finite(refs))
+    failures = report.failures()
+    if failures:
+        raise refusal(folder, what, failures[0].reason, len(failures) - 1)
+    return report
+
+
+def refusal(folder: Path, what: str, reason: str, more: int = 0) -> CheckpointError:
+    """The one-line error for a drafter a command will not load."""
+    reason = reason.removeprefix(f"{folder}/")  # the folder is named once
+    extra = f" (and {more} more failed checks)" if more else ""
+    return CheckpointError(f"{what} {folder}: {reason}{extra}; `dflash-convert validate {folder}` lists every check")
+
+
 # ------------------------------------------------------------------------------------------
 def validate_folder(folder: str | Path, target: str | None = None, use_target: bool = False) -> Report:
     """Every check for `folder`; with `use_target`, also against the target (None = embedded default)."""
-    from dflash_train.model.checkpoint import expected_shapes
-
     folder = Path(folder)
     report = Report(str(folder), None)
     try:
@@ -239,13 +341,10 @@ def validate_folder(folder: str | Path, target: str | None = None, use_target: b
         return report
     expected = expected_shapes(cfg)
     report.add("tensor_names", check_tensor_names(refs, expected, module.NAME))
-    report.add("tensors_present", check_tensors_present(refs, expected))
-    report.add("tensor_shapes", check_tensor_shapes(refs, expected))
-    report.add("vocab_maps", check_vocab_maps(refs, cfg))
+    structure_checks(report, folder, cfg, refs, expected)
     if module is formats.zlab:
         report.add("sglang_full_vocab", check_sglang_full_vocab(refs))
     report.add("weights_dtype", check_dtype(refs, cfg))
-    report.add("mask_embedding", check_mask_embedding(folder, cfg))
     if problem is None:
         report.add("finite_weights", check_finite(refs))
     if use_target:
@@ -253,6 +352,4 @@ def validate_folder(folder: str | Path, target: str | None = None, use_target: b
             target_checks(report, cfg, target)
         except DFlashError as exc:
             report.add("target", Fail(str(exc)))
-        except OSError as exc:
-            report.add("target", Fail(f"--target {target}: cannot read its config ({exc})"))
     return report

@@ -29,12 +29,10 @@ def target_info(target: Optional[str] = typer.Option(None, "--target", help=TARG
     import json
 
     from dflash_train.features.layer_ids import default_target_layer_ids, target_to_aux
-    from dflash_train.features.target import resolve_target
+    from dflash_train.features.target import load_target_config, resolve_target
 
     path = resolve_target(target)
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(path).get_text_config()
+    cfg = load_target_config(path).get_text_config()
     ids = default_target_layer_ids(cfg.num_hidden_layers, num_features)
     info = {"path": path, "model_type": cfg.model_type, "num_hidden_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
@@ -154,7 +152,7 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
           local_rank: int = typer.Option(0, "--local_rank", "--local-rank", hidden=True,
                                          help="Set by the deepspeed launcher.")) -> None:
     """Train a drafter from a recipe; the drafter lands in OUTPUT/final (speculators format)."""
-    from dflash_train.train.recipe import load_recipe
+    from dflash_train.train.recipe import load_recipe, resolve_init_from
 
     flags = list(overrides)
     if max_steps is not None:
@@ -163,6 +161,7 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
         flags.append(f"checkpoint.save_every={save_every}")
     resolved = load_recipe(config, flags)
     if dry_run:
+        resolved = resolve_init_from(resolved)
         typer.echo(resolved.to_yaml(), nl=False)
         return
     from dflash_train.train.loop import train as run_training

@@ -29,12 +29,37 @@ class MissingDependencyError(DFlashError):
     """An optional package (vllm, sglang, ...) is needed for this command but not installed."""
 
 
+class TrainingError(DFlashError):
+    """Training stopped: the loss, the gradients or the weights are no longer finite."""
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for a failed file operation: the file, what went wrong, what to do."""
+    import errno
+
+    what = exc.strerror or type(exc).__name__
+    hint = {errno.EACCES: "check its permissions", errno.EPERM: "check its permissions",
+            errno.ENOSPC: "free some space", errno.EDQUOT: "free some space", errno.EROFS: "choose a writable place",
+            errno.EISDIR: "give a file, not a folder", errno.ENOTDIR: "a part of the path is a file, not a folder",
+            errno.ENOENT: "check the path"}.get(exc.errno, "check the path and try again")
+    return f"{exc.filename}: {what}; {hint}"
+
+
 def run_cli(app) -> None:
-    """Run a CLI app; a DFlashError becomes one line on stderr and exit code 2, no traceback."""
+    """Run a CLI app; a DFlashError becomes one line on stderr and exit code 2, no traceback.
+
+    An OSError that names a file (permissions, a full disk, a folder where a file was expected)
+    is the user's to fix and is rendered the same way; every other exception is a bug and keeps
+    its traceback."""
     import sys
 
     try:
         app()
     except DFlashError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as exc:
+        if exc.filename is None:
+            raise
+        print(f"error: {os_error_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None

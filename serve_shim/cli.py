@@ -53,7 +53,7 @@ def serve(
     if draft_attention_backend and draft_attention_backend.upper() not in NON_CAUSAL_BACKENDS:
         raise ConfigError(f"--draft-attention-backend {draft_attention_backend}: DFlash needs non-causal "
                           f"attention; choose one of {', '.join(NON_CAUSAL_BACKENDS)}")
-    drafter = detect_drafter(checkpoint)
+    drafter = detect_drafter(checkpoint, target=target)
     opts = ServeOptions(engine=engine, target=target, host=host, port=port, served_model_name=served_model_name,
                         draft_attention_backend=draft_attention_backend.upper() if draft_attention_backend else None,
                         python=engine_python(engine, python), extra_args=list(extra_args or []))

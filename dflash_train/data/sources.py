@@ -207,16 +207,36 @@ def _local(path: Path) -> Iterator[dict]:
         yield from _read_file(f)
 
 
+def read_text_file(path: Path, flag: str = "--data") -> str:
+    """A data file's text; a file that is not UTF-8 (binary, compressed) is a DataError naming it."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{flag} {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                        "give JSON / JSON lines as plain UTF-8 text (decompress it first if it is compressed)") from None
+
+
+def _read_parquet(path: Path) -> Iterator[dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches()
+        for batch in batches:
+            yield from batch.to_pylist()
+    except pa.ArrowException as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"--data {path}: not a readable Parquet file ({reason}); re-export it or give "
+                        "JSON lines") from None
+
+
 def _read_file(path: Path) -> Iterator[dict]:
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for batch in pq.ParquetFile(path).iter_batches():
-            yield from batch.to_pylist()
+        yield from _read_parquet(path)
         return
     if path.suffix not in (".json", ".jsonl"):
         raise DataError(f"--data {path}: unsupported file type; use .json, .jsonl or .parquet")
-    text = path.read_text(encoding="utf-8")
+    text = read_text_file(path)
     stripped = text.lstrip()
     if not stripped:
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_train.data.sources import read_text_file
 from dflash_train.errors import DataError
 
 
@@ -43,7 +44,7 @@ def _jsonl_row(row, path: Path, line: int) -> list[dict]:
 def read_prompt_jsonl(path: str | Path) -> list[list[dict]]:
     path = Path(path)
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_text_file(path, "--prompts").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -106,14 +107,17 @@ def load_prompts(source: str, split: str | None = None, subset: str | None = Non
 
 def _is_prompt_jsonl(path: Path) -> bool:
     """A JSONL whose first row has `prompt` or `messages` (other schemas go to the data sources)."""
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    return True  # let the prompt reader name the bad line
-                return isinstance(row, dict) and ("messages" in row or "prompt" in row)
+    try:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        return True  # let the prompt reader name the bad line
+                    return isinstance(row, dict) and ("messages" in row or "prompt" in row)
+    except UnicodeDecodeError:
+        return True  # the prompt reader names the file
     return True
 
 

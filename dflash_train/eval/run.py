@@ -60,6 +60,23 @@ def check_report_outputs(cfg: EvalConfig, draft_dir: Path) -> None:
                     need_bytes=1 << 20)
 
 
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """Refuse a device this machine cannot run before any model loads."""
+    import torch
+
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ConfigError(f"{flag} {device}: not a torch device; use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ConfigError(f"{flag} {device}: {why}; use --device cpu (or run where a GPU is available)")
+    if kind == "cuda" and torch.device(device).index is not None and torch.device(device).index >= torch.cuda.device_count():
+        raise ConfigError(f"{flag} {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     """Load, evaluate, write the outputs named in `cfg`; returns the report (with `draft`/`target`)."""
     import torch
@@ -67,12 +84,13 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     from dflash_train.eval.prompts import load_prompts
     from dflash_train.eval.report import plot_report, write_report_json
     from dflash_train.eval.spec_decode import evaluate
-    from dflash_train.features.target import load_target, resolve_target
+    from dflash_train.features.target import load_target, load_target_config, load_tokenizer, resolve_target
     from dflash_train.model.checkpoint import DTYPES, load_drafter, read_drafter_config
 
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}")
     dtype = DTYPES[cfg.dtype]
+    check_device(cfg.device)
     draft_dir = resolve_drafter_dir(cfg.draft)
     check_report_outputs(cfg, draft_dir)  # seconds in, not after the eval
     trained = read_drafter_config(draft_dir, mask_token_id=cfg.mask_token_id).block_size
@@ -80,15 +98,18 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         raise ConfigError(f"--block-size {cfg.block_size}: larger than the drafter's trained block_size {trained} "
                           f"({draft_dir / 'config.json'}); pass at most {trained}")
     prompts = load_prompts(cfg.prompts, cfg.split, cfg.subset, cfg.num_prompts)
-    target, tokenizer = load_target(cfg.target, dtype=dtype, device=cfg.device)
-    draft = load_drafter(draft_dir, target_config=target.config, dtype=dtype, mask_token_id=cfg.mask_token_id)
+    # the drafter is checked against the target's config and tokenizer before the target's weights load
+    target_path = resolve_target(cfg.target)
+    draft = load_drafter(draft_dir, target_config=load_target_config(target_path), dtype=dtype,
+                         mask_token_id=cfg.mask_token_id, tokenizer=load_tokenizer(target_path), what="--draft")
+    target, tokenizer = load_target(target_path, dtype=dtype, device=cfg.device)
     draft.to(next(target.parameters()).device).eval().attach_target(target)
     torch.manual_seed(cfg.seed)
     report = evaluate(draft, target, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature, block_size=cfg.block_size, seed=cfg.seed,
                       measure_speedup=cfg.measure_speedup, progress=progress)
     report["draft"] = str(draft_dir)
-    report["target"] = resolve_target(cfg.target)
+    report["target"] = target_path
     report["settings"].update(prompts=cfg.prompts, dtype=cfg.dtype)
     if cfg.json_out:
         write_report_json(report, cfg.json_out)

@@ -93,10 +93,35 @@ def resolve_target(target: str | os.PathLike | None) -> str:
     return str(target)
 
 
+def _unloadable(target, what: str, exc: Exception) -> DFlashError:
+    """One line for a target that cannot be read: a local folder's fault, or the hub's (offline, unreachable)."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if Path(str(target)).exists():
+        return DFlashError(f"--target {target}: cannot load its {what} ({reason}); check the folder's files")
+    return DFlashError(f"--target {target}: not a local folder, and its {what} could not be read from the hub or "
+                       f"the HF cache ({reason}); check the network, HF_ENDPOINT and HF_HUB_OFFLINE, or pass a local "
+                       "HF model folder")
+
+
+def load_target_config(target: str | os.PathLike | None):
+    """The target's transformers config (the full one; call get_text_config() for the text model)."""
+    from transformers import AutoConfig
+
+    path = resolve_target(target)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:  # missing files, offline hub, unreadable JSON
+        raise _unloadable(target or path, "config", exc) from exc
+
+
 def load_tokenizer(target: str | os.PathLike | None):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_target(target))
+    path = resolve_target(target)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise _unloadable(target or path, "tokenizer", exc) from exc
 
 
 def load_target(target: str | os.PathLike | None = None, dtype=None, device: str | None = None):
@@ -108,8 +133,8 @@ def load_target(target: str | os.PathLike | None = None, dtype=None, device: str
     dtype = dtype or torch.float32
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as exc:
-        raise DFlashError(f"--target {target}: cannot load the model ({exc}); pass a local HF folder") from exc
+    except (OSError, ValueError) as exc:
+        raise _unloadable(target or path, "model", exc) from exc
     model.eval().requires_grad_(False)
     if device:
         model.to(device)

@@ -13,20 +13,14 @@ import torch
 
 from convert import formats
 from convert.formats import speculators
+from convert.validate import check_drafter
 from convert.weights import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_json, write_tensors
 from dflash_train.errors import CheckpointError
 from dflash_train.model.config import DFlashConfig
-from dflash_train.model.modeling_dflash import DFlashDraftModel
+from dflash_train.model.modeling_dflash import DFlashDraftModel, expected_shapes
 from dflash_train.outputs import folder_output
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of `cfg` must hold, with its shape."""
-    with torch.device("meta"):
-        model = DFlashDraftModel(cfg)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def dropped_tensor(name: str) -> bool:
@@ -72,6 +66,8 @@ def save_drafter(model: DFlashDraftModel, out: str | Path, dtype: str | None = N
     torch_dtype = DTYPES[cfg.dtype]
     tensors = {}
     for name, t in model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # a NaN drafter is never written
+            raise CheckpointError(f"{out}: tensor `{name}` holds NaN or inf; refusing to write a broken drafter")
         tensors[name] = t if not t.is_floating_point() else t.to(torch_dtype)
     need = sum(t.numel() * t.element_size() for t in tensors.values())
     with folder_output(out, flag, command, sources=sources, own=own, overwrite=overwrite, need_bytes=need) as tmp:
@@ -92,12 +88,13 @@ def read_drafter_config(folder: str | Path, mask_token_id: int | None = None) ->
 
 
 def load_drafter(folder: str | Path, target_config=None, dtype: torch.dtype = torch.float32,
-                 mask_token_id: int | None = None) -> DFlashDraftModel:
-    """Load a speculators or z-lab drafter folder; with `target_config`, check it fits the target."""
+                 mask_token_id: int | None = None, tokenizer=None, what: str = "drafter") -> DFlashDraftModel:
+    """Load a speculators or z-lab drafter folder after `validate`'s structural checks (whole files,
+    shapes, finite weights); with `target_config` (and `tokenizer`: the mask id) also against the
+    target. `what` names the flag or field the folder came from, for messages."""
     folder = Path(folder)
     cfg = read_drafter_config(folder, mask_token_id=mask_token_id)
-    if target_config is not None:
-        cfg.check_against_target(target_config, where=str(folder / "config.json"))
+    check_drafter(folder, cfg, what=what, target_config=target_config, tokenizer=tokenizer)
     state = clean_state_dict(read_tensors(folder), cfg, str(folder))
     model = DFlashDraftModel(cfg)
     model.load_state_dict(state, strict=True)

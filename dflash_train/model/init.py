@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dflash_train.features.mask_token import check_mask_token_id, default_mask_token_id
-from dflash_train.features.target import DEFAULT_TARGET_NAME, load_tokenizer, resolve_target
+from dflash_train.features.target import DEFAULT_TARGET_NAME, load_target_config, load_tokenizer, resolve_target
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.modeling_dflash import DFlashDraftModel
 
@@ -12,10 +12,8 @@ def drafter_config_for_target(target: str | None, *, num_layers: int = 1, block_
                               mask_token_id: int | None = None, num_features: int = 5,
                               target_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
                               dtype: str = "bfloat16") -> DFlashConfig:
-    from transformers import AutoConfig
-
     path = resolve_target(target)
-    target_config = AutoConfig.from_pretrained(path)
+    target_config = load_target_config(path)
     tokenizer = load_tokenizer(path)
     rows = target_config.get_text_config().vocab_size
     if mask_token_id is None:

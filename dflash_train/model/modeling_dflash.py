@@ -508,6 +508,13 @@ class DFlashDraftModel(nn.Module):
                     lin.weight.mul_(1.0 / math.sqrt(2 * len(self.layers)))
 
 
+def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `cfg` must hold, with its shape (built on the meta device)."""
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
 def train_layout(anchors: torch.Tensor, doc_start: torch.Tensor, ctx_positions: torch.Tensor,
                  block_size: int, chunk_blocks: int = 32) -> TrainLayout:
     """Layout for blocks at `anchors` of a packed sequence (ctx_positions: in-document positions)."""

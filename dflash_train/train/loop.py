@@ -24,9 +24,10 @@ from dflash_train.train import checkpointing as ckpt
 from dflash_train.train.batches import build_microbatch, microbatch_loss
 from dflash_train.train.documents import DocumentSource, holdout_split, load_rows, offline_cache, prepared_rows
 from dflash_train.train.engine import World, all_reduce_sum, barrier, build_engine, init_distributed
+from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.loss import BlockStats
 from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
-from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, load_recipe
+from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, load_recipe, resolve_init_from
 
 
 class StepPlan:
@@ -75,7 +76,7 @@ def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], ep
 
 
 def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPlan, world: World,
-               step: int) -> tuple[BlockStats, int]:
+               step: int, guard: FiniteGuard) -> tuple[BlockStats, int]:
     """One optimizer step; returns the global stats and the number of tokens the step read."""
     mbs, tokens = [], 0
     for micro in range(recipe.batch.grad_accum):
@@ -85,10 +86,11 @@ def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPl
     global_weight = all_reduce_sum(sum(mb.weight_sum for mb in mbs))
     stats = BlockStats.zeros(recipe.drafter.block_size)
     o = recipe.objective
-    for mb in mbs:
+    for i, mb in enumerate(mbs):
         loss_sum, st = microbatch_loss(engine.module, mb, loss=o.loss, attention=o.attention, chunk=o.logits_chunk)
         # DeepSpeed averages gradients over ranks: multiply by world to keep a global sum / global weight
         engine.backward(loss_sum * (world.size / max(global_weight, 1e-12)), scale_wrt_gas=False)
+        guard.observe(step + 1, loss_sum, engine.module if i == len(mbs) - 1 else None)  # on device, no sync
         engine.step()
         stats.add(st)
     return stats.all_reduce(), int(all_reduce_sum(tokens))
@@ -174,11 +176,11 @@ def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenize
             warnings.warn(f"drafter.target_layer_ids: {warning}", stacklevel=2)
     if d.mask_token_id is not None:
         check_mask_token_id(d.mask_token_id, tokenizer, tc.vocab_size, "drafter.mask_token_id")
-    if d.init_from:
-        model = load_drafter(d.init_from, target_config=target_model.config)
-        if model.config.block_size != d.block_size:
-            raise ConfigError(f"drafter.init_from {d.init_from}: block_size {model.config.block_size} differs from "
-                              f"drafter.block_size {d.block_size}")
+    if d.init_from:  # its config already decided the drafter fields (recipe.apply_init_from)
+        model = load_drafter(d.init_from, target_config=target_model.config, tokenizer=tokenizer,
+                             what="drafter.init_from")
+        if model.lm_head is not None:
+            model.lm_head.weight.requires_grad_(d.train_lm_head)
         return model
     cfg = drafter_config_for_target(recipe.target, num_layers=d.num_layers, block_size=d.block_size,
                                     mask_token_id=d.mask_token_id, num_features=d.num_features,
@@ -213,6 +215,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     from dflash_train.outputs import check_writable, ensure_folder, plan_output
 
     t_start = time.time()
+    resolved = resolve_init_from(resolved)
     recipe, output = resolved.recipe, Path(output)
     resume = {True: "must", False: None}.get(resume, resume)
     if resume not in (None, *RESUME_MODES):
@@ -262,6 +265,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     progress = Progress(plan.total, state["step"], world.is_main and recipe.logging.progress)
 
     def save(step: int) -> None:
+        guard.check_weights(step, engine.module)
         snapshot = {"step": step, "world_size": world.size, "tokens": state["tokens"], "positions": state["positions"],
                     "epoch": plan.locate(step)[0] if step < plan.total else None, "history": log.history}
         ckpt.save_checkpoint(engine, world, output, step, snapshot, config_yaml, recipe.checkpoint.keep_last,
@@ -269,8 +273,12 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
 
     # the loop -------------------------------------------------------------------------------
     window = BlockStats.zeros(recipe.drafter.block_size)
+    guard, lg = FiniteGuard(world.device, recipe.optim.lr, recipe.optim.grad_clip), recipe.logging
     for step in range(state["step"], plan.total):
-        stats, tokens = train_step(engine, recipe, source, plan, world, step)
+        stats, tokens = train_step(engine, recipe, source, plan, world, step, guard)
+        if step + 1 == plan.total or any((step + 1) % n == 0 for n in (lg.log_every, lg.eval_every,
+                                                                        recipe.checkpoint.save_every)):
+            guard.check()  # read once before anything is logged, validated or saved from this step
         state["tokens"] += tokens
         state["positions"] += int(stats.valid.sum())
         window.add(stats)
@@ -288,6 +296,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     progress.close()
 
     # teardown: final drafter, curves, summary -------------------------------------------------
+    guard.check()
+    guard.check_weights(plan.total, engine.module)
     final = ckpt.save_final(engine, world, output, recipe.drafter.dtype)
     summary = {}
     if world.is_main:

@@ -74,3 +74,27 @@ def test_missing_token_is_an_error_without_leaking(run, monkeypatch, tmp_path):
     plan = plan_push(run / "final", "org/tiny-dflash")
     with pytest.raises(ConfigError, match=r"\$HF_TOKEN"):
         push(plan, endpoint="http://127.0.0.1:9")
+
+
+@pytest.mark.parametrize("value", [TOKEN, "hf_" + "a1B2" * 9, "my token", "$HF_TOKEN", "HF-TOKEN"])
+def test_a_token_given_as_the_variable_name_is_refused_unseen(run, value):
+    from convert.hub import check_token_env
+
+    with pytest.raises(ConfigError) as info:
+        check_token_env(value)
+    assert "--token-env takes the NAME" in str(info.value) and value not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        push(plan_push(run / "final", "org/tiny-dflash"), token_env=value, endpoint="http://127.0.0.1:9")
+    assert value not in str(info.value)
+    for name in ("HF_TOKEN", "MY_HUB_TOKEN", "hf_token", "_X1"):
+        check_token_env(name)
+
+
+def test_an_unreachable_hub_is_one_error_without_the_token(run, monkeypatch):
+    from convert.hub import HubError
+
+    monkeypatch.setenv("MY_HUB_TOKEN", TOKEN)
+    plan = plan_push(run / "final", "org/tiny-dflash")
+    with pytest.raises(HubError, match=r"cannot reach the hub at http://127.0.0.1:9 \(ConnectError") as info:
+        push(plan, token_env="MY_HUB_TOKEN", endpoint="http://127.0.0.1:9")
+    assert TOKEN not in str(info.value) and "\n" not in str(info.value)

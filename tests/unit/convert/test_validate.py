@@ -180,3 +180,89 @@ def test_broken_variant_fails_with_named_reason(good, tmp_path, folder, mutate, 
 def test_every_rule_has_a_broken_variant():
     covered = {v[3] for v in VARIANTS}
     assert {r.__name__ for rules in RULES.values() for r in rules} - covered <= {"zlab_num_target_layers"}
+
+
+# ------------------------------------------------------------------------------------------
+# check_drafter: the structural checks every loader runs
+def _drafter(tmp_path, name="d", **kw):
+    return write_drafter(tmp_path / name, tiny_cfg(**kw))
+
+
+def _target_config(**kw):
+    from transformers import Qwen3Config
+
+    base = dict(hidden_size=64, num_hidden_layers=8, vocab_size=101, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96)
+    return Qwen3Config(**{**base, **kw})
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_tens(_nan), r"tensor `layers.0.mlp.up_proj.weight` holds NaN or inf"),
+    (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:4000]),
+     r"model.safetensors: header promises \d+ bytes but the file has 4000; the file is truncated"),
+    (_tens(lambda t: {**t, "norm.weight": torch.ones(7)}), r"tensor `norm.weight` has shape \[7\] but the config implies \[64\]"),
+    (_tens(lambda t: {k: v for k, v in t.items() if k != "norm.weight"}), "missing tensor `norm.weight`"),
+    (_tens(lambda t: {**t, "layers.9.extra": torch.ones(2)}), "unknown tensor `layers.9.extra`"),
+])
+def test_check_drafter_refuses_with_one_named_reason(tmp_path, mutate, message):
+    from convert.validate import check_drafter
+    from dflash_train.errors import CheckpointError
+
+    folder = _drafter(tmp_path)
+    mutate(folder)
+    with pytest.raises(CheckpointError, match=message) as info:
+        check_drafter(folder, tiny_cfg(), what="--draft")
+    text = str(info.value)
+    assert text.startswith(f"--draft {folder}: ") and "\n" not in text
+    assert f"dflash-convert validate {folder}" in text
+
+
+def test_check_drafter_accepts_what_loaders_drop(tmp_path):
+    """`model.` prefixes and frozen copies other writers store are a loader's business, not a failure."""
+    from convert.validate import check_drafter
+
+    folder = _drafter(tmp_path)
+    edit_tensors(folder, lambda t: {**{f"model.{k}": v for k, v in t.items()},
+                                    "embed_tokens.weight": torch.zeros(101, 64), "verifier_lm_head.weight": torch.ones(3)})
+    report = check_drafter(folder, tiny_cfg())
+    assert report.ok and {"tensor_shapes", "finite_weights"} <= {c.check for c in report.checks}
+    assert validate_folder(folder).ok is False  # vLLM itself would refuse the prefix: validate says so
+
+
+def test_check_drafter_against_a_loaded_target(tmp_path):
+    from convert.validate import check_drafter
+    from dflash_train.errors import CheckpointError
+
+    folder = _drafter(tmp_path)
+    assert check_drafter(folder, tiny_cfg(), target_config=_target_config()).ok
+    with pytest.raises(CheckpointError, match="target_hidden_size 64 differs from the target's hidden_size 128"):
+        check_drafter(folder, tiny_cfg(), target_config=_target_config(hidden_size=128, head_dim=32))
+    with pytest.raises(CheckpointError, match=r"do not fit the target's 4 layers .*and 1 more failed"):
+        check_drafter(folder, tiny_cfg(), target_config=_target_config(num_hidden_layers=4, vocab_size=202))
+
+
+def test_check_drafter_mask_id_must_be_spare_in_the_target(tmp_path, smollm2_path, smollm2):
+    """Against the real SmolLM2 target: id 16 is an unused special token, id 1 is what the template emits."""
+    from convert_fixtures import smollm2_cfg
+
+    from convert.validate import check_drafter
+    from dflash_train.errors import CheckpointError
+
+    model, tokenizer = smollm2
+    folder = write_drafter(tmp_path / "s", smollm2_cfg())
+    check_drafter(folder, smollm2_cfg(), target_config=model.config, tokenizer=tokenizer)
+    with pytest.raises(CheckpointError, match=r"mask_token_id: 1 .*emitted by the chat template"):
+        check_drafter(folder, smollm2_cfg(mask_token_id=1), target_config=model.config, tokenizer=tokenizer)
+    # a target named by folder is read from disk, without any network
+    with pytest.raises(CheckpointError, match="mask_token_id: 1 "):
+        check_drafter(folder, smollm2_cfg(mask_token_id=1), target=str(smollm2_path))
+
+
+def test_find_local_target_never_uses_the_network(tmp_path, smollm2_path, monkeypatch):
+    from convert.validate import find_local_target
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert find_local_target(str(smollm2_path)) == str(smollm2_path)
+    assert find_local_target("HuggingFaceTB/SmolLM2-135M-Instruct") == str(smollm2_path)  # the cached conversion
+    assert find_local_target("org/not-in-any-cache") is None
+    assert find_local_target(str(tmp_path)) is None and find_local_target(None) is None

@@ -109,3 +109,26 @@ def test_leading_assistant_is_dropped_and_no_assistant_is_kept():
     msgs = normalize_record({"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"},
                                           {"role": "user", "content": "u"}]})
     assert [m["role"] for m in msgs] == ["system", "user"]
+
+
+def test_binary_and_garbage_files_are_named(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    noise = bytes(rng.randrange(256) for _ in range(4096))
+    (tmp_path / "bin.jsonl").write_bytes(b"\x89PNG" + noise)
+    with pytest.raises(DataError, match=r"--data .*bin.jsonl: not UTF-8 text \(byte 0x89 at offset 0\); give JSON"):
+        load_conversations(str(tmp_path / "bin.jsonl"))
+    (tmp_path / "junk.parquet").write_bytes(noise)
+    with pytest.raises(DataError, match=r"--data .*junk.parquet: not a readable Parquet file \(.*magic bytes"):
+        load_conversations(str(tmp_path / "junk.parquet"))
+    # a real Parquet file cut short is refused the same way
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a"] * 50, "response": ["b"] * 50}), tmp_path / "ok.parquet")
+    assert len(load_conversations(str(tmp_path / "ok.parquet"))) == 50
+    data = (tmp_path / "ok.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match="cut.parquet: not a readable Parquet file"):
+        load_conversations(str(tmp_path / "cut.parquet"))

@@ -67,3 +67,10 @@ def test_render_uses_the_target_template_with_generation_prompt(smollm2_path):
     text = tok.decode(ids)
     assert text.endswith("<|im_start|>assistant\n")
     assert "What is 2+2?" in text and "4<|im_end|>" not in text
+
+
+def test_binary_prompt_files_are_named(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n' + bytes([0xff, 0xfe, 0x00, 0x81]) * 10)
+    with pytest.raises(DataError, match=r"--prompts .*p.jsonl: not UTF-8 text \(byte 0xff at offset 17\)"):
+        load_prompts(str(path))

@@ -92,3 +92,20 @@ def test_run_eval_refuses_a_too_large_block_before_loading(tmp_path):
     cfg = EvalConfig(draft=str(folder), target=str(tmp_path / "no-such-target"), prompts=str(prompts), block_size=9)
     with pytest.raises(ConfigError, match="--block-size 9: larger than the drafter's trained block_size 4"):
         run_eval(cfg, progress=False)
+
+
+def test_devices_this_machine_cannot_run_are_refused_first(tmp_path):
+    import torch
+
+    from dflash_train.eval.run import check_device
+
+    check_device(None)
+    check_device("cpu")
+    with pytest.raises(ConfigError, match="--device gpu0: not a torch device; use cpu, cuda or cuda:N"):
+        check_device("gpu0")
+    if not torch.cuda.is_available():
+        folder = _drafter_folder(tmp_path / "d")
+        cfg = EvalConfig(draft=str(folder), target=str(tmp_path / "no-such-target"), prompts="unused", device="cuda:0")
+        with pytest.raises(ConfigError, match=r"--device cuda:0: (this torch build has no CUDA|no CUDA GPU is visible); "
+                                              "use --device cpu"):
+            run_eval(cfg, progress=False)

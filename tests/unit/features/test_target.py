@@ -38,3 +38,21 @@ def test_missing_target_folder_is_a_clear_error(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "has no config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_unreadable_targets_are_one_line_naming_the_flag(tmp_path):
+    import json
+
+    import pytest
+
+    from dflash_train.errors import DFlashError
+    from dflash_train.features.target import load_target_config, load_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))  # no model_type
+    with pytest.raises(DFlashError, match=f"--target {tmp_path}: cannot load its config .*model_type"):
+        load_target_config(str(tmp_path))
+    with pytest.raises(DFlashError, match=f"--target {tmp_path}: cannot load its tokenizer"):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(DFlashError, match="--target org/bad name!!: not a local folder, and its config could not be "
+                                          "read from the hub or the HF cache"):
+        load_target_config("org/bad name!!")

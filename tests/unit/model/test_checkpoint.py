@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.errors import CheckpointError, ConfigError, DFlashError
+from dflash_train.errors import CheckpointError, DFlashError
 from dflash_train.model.checkpoint import load_drafter, save_drafter
 from dflash_train.model.init import new_drafter_for_target
 from dflash_train.model.modeling_dflash import DFlashDraftModel
@@ -143,7 +143,7 @@ def _edit_tensors(folder, edit):
     (lambda d: _edit_config(d, lambda c: c.__setitem__("mask_token_id", 49152)),
      "mask_token_id 49152 is outside the target vocab"),
     (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000]),
-     "unreadable safetensors file"),
+     "model.safetensors: header promises .* the file is truncated"),
 ])
 def test_loading_errors_name_the_field_or_tensor(saved, broken, message):
     broken(saved)
@@ -159,7 +159,7 @@ def test_layer_ids_outside_the_target_are_rejected(saved, smollm2):
 
 def test_hidden_size_differing_from_the_target_is_rejected(saved, smollm2):
     _edit_config(saved, lambda c: c.__setitem__("target_hidden_size", 1024))
-    with pytest.raises(ConfigError, match="target_hidden_size 1024 differs from the target's hidden_size 576"):
+    with pytest.raises(CheckpointError, match="target_hidden_size 1024 differs from the target.s hidden_size 576"):
         load_drafter(saved, target_config=smollm2[0].config)
 
 
@@ -167,3 +167,20 @@ def test_drafter_module_tree_matches_checkpoint_names(tiny_config):
     # attribute names are the tensor names: a state dict round-trips with no renaming
     model = DFlashDraftModel(tiny_config)
     assert DFlashDraftModel(tiny_config).load_state_dict(model.state_dict(), strict=True)
+
+
+def test_a_non_finite_drafter_is_never_written(tmp_path, tiny_config):
+    model = DFlashDraftModel(tiny_config)
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight[3, 2] = float("inf")
+    with pytest.raises(CheckpointError, match=r"tensor `layers.1.mlp.down_proj.weight` holds NaN or inf; refusing"):
+        save_drafter(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []  # no folder, no temp folder
+
+
+def test_a_nan_drafter_is_refused_on_load(saved):
+    tensors = load_file(str(saved / "model.safetensors"))
+    tensors["hidden_norm.weight"][5] = float("nan")
+    save_file(tensors, str(saved / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"--draft {saved}: tensor `hidden_norm.weight` holds NaN or inf"):
+        load_drafter(saved, what="--draft")

@@ -180,3 +180,45 @@ def test_flag_helpers():
     assert flag_value(args, "--a") == "3" and flag_value(args, "--b") == "2" and flag_value(args, "--d") is None
     assert without_flag(args, "--a") == ["--b=2", "--c"]
     assert without_flag(args, "--b") == ["--a", "1", "--a", "3", "--c"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--speculative-config", '{"num_speculative_tokens":3,"enforce_eager":true}'],
+    ['-sc={"num_speculative_tokens":3,"enforce_eager":true}'],
+    ["--speculative-config.num_speculative_tokens", "3", "--speculative-config.enforce_eager=true"],
+    ["--spec-tokens=3", "--speculative-config", '{"enforce_eager":true}'],
+    ["--spec-tokens", "9", "-sc", '{"enforce_eager":true}', "--spec-tokens", "3"],  # the last one wins, as in vLLM
+])
+def test_every_form_of_the_users_speculative_settings_is_merged_once(spec_dir, extra):
+    argv = vllm_command(detect_drafter(str(spec_dir)), opts(extra_args=[*extra, "--enforce-eager"]), "cpu")
+    assert argv[-3:] == ["--speculative-config", spec(method="dflash", num_speculative_tokens=3,
+                                                      attention_backend="CPU_ATTN", enforce_eager=True),
+                         "--enforce-eager"]
+    assert sum(a.startswith(("--speculative-config", "-sc", "--spec-")) for a in argv) == 1
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--speculative-config", '{"num_speculative_tokens":8}'], "num_speculative_tokens 8 "),
+    (["--spec-tokens", "20"], "num_speculative_tokens 20 "),
+    (["--speculative-config.num_speculative_tokens=0"], "num_speculative_tokens 0 "),
+    (["-sc", '{"num_speculative_tokens":"7"}'], "num_speculative_tokens '7' "),
+])
+def test_more_draft_tokens_than_the_block_holds_are_refused(spec_dir, extra, needle):
+    d = detect_drafter(str(spec_dir))  # block size 8
+    with pytest.raises(ConfigError, match=needle + r"\(set after `--`\): .* has block size 8, so it drafts 1..7 "
+                                                   "tokens per step; pass at most 7"):
+        vllm_command(d, opts(extra_args=extra), "cpu")
+    with pytest.raises(ConfigError, match="drop `method`"):
+        vllm_command(d, opts(extra_args=["--spec-method", "eagle3"]), "cpu")
+    with pytest.raises(ConfigError, match="--spec-tokens after `--` needs a value"):
+        vllm_command(d, opts(extra_args=["--spec-tokens"]), "cpu")
+
+
+def test_sglang_draft_tokens_above_the_block_are_refused(make_tiny_drafter):
+    d = detect_drafter(str(make_tiny_drafter("zl", fmt="zlab", block_size=16)))
+    fine = sglang_command(d, "/z", opts(engine="sglang", target="t/t", extra_args=["--speculative-num-draft-tokens", "8"]))
+    assert fine[-2:] == ["--speculative-num-draft-tokens", "8"] and fine.count("--speculative-num-draft-tokens") == 1
+    for bad in ("17", "1", "x"):
+        with pytest.raises(ConfigError, match=f"--speculative-num-draft-tokens {bad} .*block size 16; SGLang takes 2..16"):
+            sglang_command(d, "/z", opts(engine="sglang", target="t/t",
+                                         extra_args=[f"--speculative-num-draft-tokens={bad}"]))

@@ -103,3 +103,22 @@ def test_is_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     os.makedirs("org/name")
     assert not is_hub_id("org/name")  # an existing local folder wins
+
+
+def test_broken_folders_are_refused_with_validates_reason(make_tiny_drafter, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_drafter("spec")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["fc.weight"][0, 0] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"CHECKPOINT {folder}: tensor `fc.weight` holds NaN or inf"):
+        detect_drafter(str(folder))
+
+
+def test_an_explicit_target_found_locally_is_checked(make_tiny_drafter, tmp_path, smollm2_path):
+    folder = make_tiny_drafter("spec")  # hidden 64, vocab 101: not a SmolLM2 drafter
+    assert detect_drafter(str(folder), target="org/not-cached").block_size == 8  # unknown here: the engine checks
+    with pytest.raises(CheckpointError, match=f"target_hidden_size 64 differs from the target's hidden_size 576 "
+                                              f"\\({smollm2_path}\\)"):
+        detect_drafter(str(folder), target=str(smollm2_path))

@@ -1,0 +1,54 @@
+"""run_cli: user errors become one line and exit code 2; bugs keep their traceback."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from dflash_train.errors import ConfigError, run_cli
+
+
+def _raising(exc):
+    def app():
+        raise exc
+    return app
+
+
+def test_dflash_errors_are_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        run_cli(_raising(ConfigError("--set optim.lr: must be > 0")))
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "error: --set optim.lr: must be > 0\n"
+
+
+@pytest.mark.parametrize("err, needle", [
+    (errno.EACCES, "Permission denied; check its permissions"),
+    (errno.ENOSPC, "No space left on device; free some space"),
+    (errno.EISDIR, "Is a directory; give a file, not a folder"),
+])
+def test_os_errors_that_name_a_file_are_the_users(capsys, err, needle):
+    import os
+
+    exc = OSError(err, os.strerror(err), "/data/run/summary.json")
+    with pytest.raises(SystemExit) as info:
+        run_cli(_raising(exc))
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"error: /data/run/summary.json: {needle}\n"
+
+
+def test_a_real_file_error_from_the_os(tmp_path, capsys):
+    def app():
+        (tmp_path / "a-file").write_text("x")
+        open(tmp_path / "a-file" / "below")  # noqa: SIM115 - ENOTDIR raised by the OS itself
+
+    with pytest.raises(SystemExit):
+        run_cli(app)
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'a-file' / 'below'}: Not a directory; "
+                                       "a part of the path is a file, not a folder\n")
+
+
+@pytest.mark.parametrize("exc", [TypeError("bug"), OSError("socket closed"), KeyError("x")])
+def test_bugs_and_nameless_os_errors_keep_their_traceback(exc):
+    with pytest.raises(type(exc)):
+        run_cli(_raising(exc))

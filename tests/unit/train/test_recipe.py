@@ -1,0 +1,71 @@
+"""Recipe loading errors and drafter.init_from: conflicts named, the loaded drafter's values recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_train.errors import ConfigError
+from dflash_train.train.recipe import apply_init_from, load_recipe, resolve_init_from
+
+
+def _resolved(*overrides, drafter="init_from: /d"):
+    return load_recipe(None, list(overrides), base={"data": {"prepared": "/rows"}, "drafter": _flow(drafter)})
+
+
+def _flow(text):
+    import yaml
+
+    return yaml.safe_load("{" + text + "}")
+
+
+def test_fields_the_user_did_not_set_come_from_the_drafter_and_say_so(tiny_config):
+    # tiny_config: 2 layers, block 8, mask 100, aux ids [2, 4, 6] (z-lab [1, 3, 5]), intermediate 128
+    out = apply_init_from(_resolved(), tiny_config)
+    d = out.recipe.drafter
+    assert (d.num_layers, d.block_size, d.mask_token_id, d.num_features, d.target_layer_ids,
+            d.intermediate_size, d.draft_vocab_size) == (2, 8, 100, 3, [1, 3, 5], 128, None)
+    text = out.to_yaml()
+    assert "  num_layers: 2  # drafter.init_from\n" in text and "  block_size: 8  # drafter.init_from\n" in text
+    assert "  target_layer_ids: [1, 3, 5]  # drafter.init_from\n" in text
+    assert "  num_layers: 1" not in text and "block_size: 16" not in text  # defaults that were never used
+    # idempotent: the recorded config resolves to itself
+    assert apply_init_from(out, tiny_config).to_yaml() == text
+
+
+def test_conflicting_user_fields_are_all_named(tiny_config):
+    resolved = _resolved("drafter.num_layers=3", "drafter.target_layer_ids=[1,3,5]",
+                         drafter="init_from: /d, block_size: 16, mask_token_id: 100")
+    with pytest.raises(ConfigError) as info:
+        apply_init_from(resolved, tiny_config)
+    text = str(info.value)
+    assert text.startswith("drafter.init_from /d: ")
+    assert "drafter.num_layers is 3 but the drafter has 2" in text and "drafter.block_size is 16 but the drafter has 8" in text
+    assert "target_layer_ids" not in text and "mask_token_id" not in text  # set, but equal
+    with pytest.raises(ConfigError, match="drafter.draft_vocab_size is 64 but the drafter has None"):
+        apply_init_from(_resolved("drafter.draft_vocab_size=64"), tiny_config)
+    # the full vocabulary written out is the same drafter
+    assert apply_init_from(_resolved("drafter.draft_vocab_size=101"), tiny_config).recipe.drafter.draft_vocab_size == 101
+    with pytest.raises(ConfigError, match="init_from_target_layer and drafter.init_from both"):
+        apply_init_from(_resolved("drafter.init_from_target_layer=-1"), tiny_config)
+
+
+def test_resolve_init_from_reads_the_folder(tmp_path, tiny_config):
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+
+    save_drafter(DFlashDraftModel(tiny_config), tmp_path / "d")
+    out = resolve_init_from(_resolved(drafter=f"init_from: {tmp_path / 'd'}"))
+    assert out.recipe.drafter.num_layers == 2 and out.sources["drafter.num_layers"] == "drafter.init_from"
+    assert resolve_init_from(_resolved(drafter="num_layers: 2")).recipe.drafter.block_size == 16  # no init_from
+    with pytest.raises(ConfigError, match=f"drafter.init_from {tmp_path / 'nope'}: .*no config.json"):
+        resolve_init_from(_resolved(drafter=f"init_from: {tmp_path / 'nope'}"))
+
+
+def test_unreadable_config_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=f"--config {tmp_path}: is a folder; give a recipe YAML file"):
+        load_recipe(tmp_path)
+    (tmp_path / "r.yaml").write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises(ConfigError, match="--config .*r.yaml: not UTF-8 text"):
+        load_recipe(tmp_path / "r.yaml")
+    with pytest.raises(ConfigError, match="--config .*absent.yaml: file not found"):
+        load_recipe(tmp_path / "absent.yaml")

@@ -207,6 +207,6 @@ def block_stats(loss_sum: torch.Tensor, labels: torch.Tensor, weights: torch.Ten
     # acceptance: 1 + leading slots (from slot 1) that have a label and are predicted right
     run = torch.cumprod((correct & valid)[:, 1:].long(), dim=1).sum(1)
     blocks = torch.full((), labels.shape[0], dtype=torch.float64, device=labels.device)
-    return BlockStats(loss_sum=loss_sum.detach().double(), weight_sum=(weights * valid).sum().double(),
+    return BlockStats(loss_sum=loss_sum.detach().double(), weight_sum=weights.flatten()[index].sum().double(),
                       correct=correct.sum(0).double(), valid=valid.sum(0).double(),
                       accept_sum=(1 + run).sum().double(), blocks=blocks)

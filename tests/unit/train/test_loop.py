@@ -120,6 +120,7 @@ def test_two_ranks_match_one_rank(reference_run, tmp_path):
     ("drafter.target_layer_ids=[1,9]", "drafter.target_layer_ids: layer id 9"),
     ("drafter.mask_token_id=300", "drafter.mask_token_id: 300"),
     ("drafter.block_size=1", "drafter.block_size"),
+    ("objective.attention=flex", "objective.attention: flex needs a CUDA GPU"),  # this machine has none
 ])
 def test_bad_input_is_refused(tmp_path, train_tiny_target, train_prepared, override, needle):
     recipe = _recipe(tmp_path, train_tiny_target, train_prepared)

@@ -19,11 +19,35 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 
 T, ANCHORS, B, H, NF = 1024, 256, 16, 576, 5
 
 
-def _setup(vocab: int):
+@dataclass(frozen=True)
+class Shape:
+    """A drafter and one packed micro-batch: one document of `tokens` tokens (prompt then answer)."""
+
+    hidden: int = H
+    intermediate: int = 1536
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    vocab: int = 49152
+    target_hidden: int = H
+    features: int = NF
+    layers: int = 1
+    tokens: int = T
+    anchors: int = ANCHORS
+    block: int = B
+
+
+SMOLLM2 = Shape()
+
+
+def build_step(shape: Shape, device: str = "cpu", dtype=None):
+    """(drafter with a random target head and embedding, micro-batch) at `shape`, seeded. The model and
+    the features live on `device` in `dtype` (the micro-batch's bookkeeping stays on the host)."""
     import torch
 
     from dflash_train.data.packing import Document
@@ -31,19 +55,31 @@ def _setup(vocab: int):
     from dflash_train.model.modeling_dflash import DFlashDraftModel
     from dflash_train.train.batches import build_microbatch
 
+    dtype = dtype or torch.float32
     torch.manual_seed(0)
-    cfg = DFlashConfig(hidden_size=H, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
-                       num_key_value_heads=3, head_dim=64, vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=H,
-                       num_target_layers=30, aux_hidden_state_layer_ids=[2, 9, 15, 21, 28], block_size=B,
-                       mask_token_id=16, rope_theta=100000.0, dtype="float32")
+    s = shape
+    cfg = DFlashConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
+                       num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+                       vocab_size=s.vocab, draft_vocab_size=s.vocab, target_hidden_size=s.target_hidden,
+                       num_target_layers=30, aux_hidden_state_layer_ids=[2, 9, 15, 21, 28][:s.features],
+                       block_size=s.block, mask_token_id=16, rope_theta=100000.0, dtype="float32")
     model = DFlashDraftModel(cfg)
     model.init_weights(seed=0)
-    model.attach_target_weights(torch.randn(vocab, H) * 0.02, torch.randn(vocab, H) * 0.02)
-    mask = torch.zeros(T, dtype=torch.bool)
+    model.to(device, dtype)
+    model.attach_target_weights((torch.randn(s.vocab, s.target_hidden) * 0.02).to(device, dtype),
+                                (torch.randn(s.vocab, s.hidden) * 0.02).to(device, dtype))
+    mask = torch.zeros(s.tokens, dtype=torch.bool)
     mask[64:] = True  # a prompt then the assistant answer
-    doc = Document(torch.randint(0, vocab, (T,)), mask, torch.randn(T, NF * H), torch.randint(0, vocab, (T,)))
-    mb = build_microbatch([doc], [0], block_size=B, anchors_per_document=ANCHORS, labels="greedy", seed=0, epoch=0)
+    doc = Document(torch.randint(0, s.vocab, (s.tokens,)), mask,
+                   torch.randn(s.tokens, s.features * s.target_hidden).to(device, dtype),
+                   torch.randint(0, s.vocab, (s.tokens,)))
+    mb = build_microbatch([doc], [0], block_size=s.block, anchors_per_document=s.anchors, labels="greedy", seed=0,
+                          epoch=0)
     return model, mb
+
+
+def _setup(vocab: int):
+    return build_step(replace(SMOLLM2, vocab=vocab))
 
 
 def _naive_loss(model, mb):

@@ -170,11 +170,13 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
     summary = run_training(resolved, out, resume=resume, sources=[config],
                            notify=lambda msg: typer.echo(msg, err=True))
     if summary and resolved.recipe.eval.enabled:  # rank 0 only: other ranks return no summary
+        import torch
+
         from dflash_train.eval.run import evaluate_run
 
         ev = resolved.recipe.eval
         report = evaluate_run(out, target=resolved.recipe.target, max_prompts=ev.max_prompts,
-                              max_new_tokens=ev.max_new_tokens)
+                              max_new_tokens=ev.max_new_tokens, device="cuda" if torch.cuda.is_available() else None)
         typer.echo(f"held-out spec decode: tau={report['tau']:.3f} lossless={report['lossless']} "
                    f"speedup={report['speedup']}")
     if summary:

@@ -47,7 +47,21 @@ class PackedBatch:
         return int(self.doc_ids.max().item()) + 1 if self.doc_ids.numel() else 0
 
 
-def pack_documents(docs: list[Document]) -> PackedBatch:
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`. Host tensors bound for a GPU go through pinned memory with non_blocking, so the
+    copy is queued behind the GPU's work instead of waiting for it (a copy from pageable memory can
+    stall the host until the stream drains)."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    return t.to(device)
+
+
+def pack_documents(docs: list[Document], pin_memory: bool = False) -> PackedBatch:
+    """Concatenate documents into one row; `pin_memory`: host features land in pinned memory (one
+    copy, ready for a non-blocking transfer to the GPU)."""
     if not docs:
         raise ValueError("pack_documents needs at least one document")
     lengths = [len(d) for d in docs]
@@ -56,10 +70,14 @@ def pack_documents(docs: list[Document]) -> PackedBatch:
     positions = torch.cat([torch.arange(n) for n in lengths])
     doc_start = starts[doc_ids]
     doc_end = doc_start + torch.tensor(lengths)[doc_ids]
+    feats = [d.features for d in docs]
+    out = None
+    if pin_memory and feats[0].device.type == "cpu" and torch.cuda.is_available():
+        out = torch.empty((sum(lengths), *feats[0].shape[1:]), dtype=feats[0].dtype, pin_memory=True)
     return PackedBatch(
         input_ids=torch.cat([d.input_ids.long() for d in docs]),
         loss_mask=torch.cat([d.loss_mask.bool() for d in docs]),
-        features=torch.cat([d.features for d in docs]),
+        features=torch.cat(feats, out=out),
         greedy_next=torch.cat([d.greedy_next.long() for d in docs]),
         doc_ids=doc_ids, positions=positions, doc_start=doc_start, doc_end=doc_end,
     )

@@ -119,18 +119,17 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
 
 
 def evaluate_run(run_dir: str | Path, target: str | None = None, max_prompts: int = 20,
-                 max_new_tokens: int = 128, progress: bool = True) -> dict:
-    """Evaluate a training run's drafter on its held-out prompts; write RUN/eval.json, RUN/eval.png
-    and the headline numbers into RUN/summary.json under `eval`."""
+                 max_new_tokens: int = 128, progress: bool = True, device: str | None = None) -> dict:
+    """Evaluate a training run's drafter on its held-out prompts (on `device`, default CPU); write
+    RUN/eval.json, RUN/eval.png and the headline numbers into RUN/summary.json under `eval`."""
     import json
 
     from convert.weights import write_json
 
     run = Path(run_dir)
     report = run_eval(EvalConfig(draft=str(run), target=target, prompts=str(run / "holdout_rows.json"),
-                                 num_prompts=max_prompts, max_new_tokens=max_new_tokens,
-                                 json_out=str(run / "eval.json"), plot=str(run / "eval.png"), overwrite=True),
-                      progress=progress)
+                                 num_prompts=max_prompts, max_new_tokens=max_new_tokens, device=device,
+                                 json_out=str(run / "eval.json"), plot=str(run / "eval.png"), overwrite=True), progress=progress)
     headline = {k: report[k] for k in ("tau", "per_position", "histogram", "speedup", "lossless") if k in report}
     headline.update(prompts=max_prompts, max_new_tokens=max_new_tokens, report=str(run / "eval.json"))
     summary_path = run / "summary.json"

@@ -16,8 +16,10 @@ Two entry points share every weight and every formula:
 - `forward_train`: many blocks per packed sequence at given anchors under the training mask
   (a block sees context strictly before its anchor in its own document, itself fully, and no
   other block). `attention` picks the kernel: "split" (exact context x block split, no dense
-  mask; the CPU default), "dense" (the naive dense-mask reference), "flex" (flex attention
-  block masks; GPU).
+  mask; the CPU default), "dense" (the naive dense-mask reference), "flex" (compiled flex
+  attention with a tile-level block mask, model/flex.py; the GPU default). With
+  `activation_checkpointing` set, each layer keeps only its input and recomputes the rest in
+  the backward.
 Attribute names are the checkpoint tensor names, so state_dict() is the checkpoint.
 """
 
@@ -151,6 +153,29 @@ class TrainLayout:
             self.cache["segments"] = out
         return self.cache["segments"]
 
+    def flex_mask(self, window: int | None):
+        """The flex BlockMask of this layout (built once, on the layout's device, shared by layers)."""
+        key = ("flex", window)
+        if key not in self.cache:
+            from dflash_train.model.flex import training_block_mask
+
+            self.cache[key] = training_block_mask(self.anchors, self.doc_start, self.ctx_positions,
+                                                  self.block_positions, window)
+        return self.cache[key]
+
+    def to(self, device: torch.device) -> TrainLayout:
+        """This layout on `device`. The split runs are computed here, from the host copy, so the step
+        never reads layout values back from the device; host tensors go through pinned memory."""
+        if self.anchors.device == torch.device(device):
+            return self
+        from dflash_train.data.packing import to_device
+
+        self.segments()
+        out = TrainLayout(*(to_device(t, device) for t in (self.anchors, self.doc_start, self.ctx_positions,
+                                                             self.block_positions)), chunk_blocks=self.chunk_blocks)
+        out.cache["segments"] = self.cache["segments"]
+        return out
+
     def block_allowed(self, window: int | None) -> torch.Tensor | None:
         """[B, B] bool, or None for full bidirectional attention inside the block."""
         if window is None:
@@ -219,14 +244,17 @@ class DFlashAttention(nn.Module):
         """h [N, B, H]; ctx_k/v [Hkv, T, d]. Returns [N, B, H]."""
         q = self.project_queries(h, cos, sin)  # [N, Hq, B, d]
         k_blk, v_blk = self.project_kv(h, cos, sin)  # [N, Hkv, B, d]
+        if attention == "flex":  # the kernel reads the shared kv heads itself (GQA)
+            from dflash_train.model.flex import flex_training_attention
+
+            return self._out(flex_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout.flex_mask(self.window),
+                                                     self.scale))
         ctx_k, ctx_v = self._expand_kv(ctx_k), self._expand_kv(ctx_v)
         k_blk, v_blk = self._expand_kv(k_blk), self._expand_kv(v_blk)
         if attention == "split":
             o = self._split_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)
         elif attention == "dense":
             o = self._dense_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)
-        elif attention == "flex":
-            o = self._flex_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)
         else:
             raise ValueError(f"attention {attention!r}: choose split, dense or flex")
         return self._out(o)
@@ -277,35 +305,6 @@ class DFlashAttention(nn.Module):
         assert mask.shape == (n * b, t + n * b)
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=self.scale)
         return o.reshape(h, n, b, d).transpose(0, 1)
-
-    def _flex_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        n, h, b, d = q.shape
-        t = ctx_k.shape[-2]
-        qq = q.transpose(0, 1).reshape(1, h, n * b, d)
-        kk = torch.cat([ctx_k, k_blk.transpose(0, 1).reshape(h, n * b, d)], dim=-2)[None]
-        vv = torch.cat([ctx_v, v_blk.transpose(0, 1).reshape(h, n * b, d)], dim=-2)[None]
-        anchors, doc_start, window = layout.anchors, layout.doc_start, self.window
-        block_pos, ctx_pos = layout.block_positions.reshape(-1), layout.ctx_positions
-
-        def mask_mod(_b, _h, qi, ki):
-            blk = qi // b
-            is_ctx = ki < t
-            kc = ki.clamp(max=t - 1)
-            ctx_ok = is_ctx & (kc >= doc_start[blk]) & (kc < anchors[blk])
-            kb = (ki - t).clamp(min=0)
-            blk_ok = (~is_ctx) & (kb // b == blk)
-            if window is not None:
-                ctx_ok = ctx_ok & (block_pos[qi] - ctx_pos[kc] < window)
-                blk_ok = blk_ok & (kb % b <= qi % b)
-            return ctx_ok | blk_ok
-
-        key = ("flex", window)
-        if key not in layout.cache:
-            layout.cache[key] = create_block_mask(mask_mod, None, None, n * b, t + n * b, device=q.device.type)
-        o = flex_attention(qq, kk, vv, block_mask=layout.cache[key], scale=self.scale)
-        return o[0].reshape(h, n, b, d).transpose(0, 1)
 
 
 def dense_training_mask(layout: TrainLayout, window: int | None) -> torch.Tensor:
@@ -382,6 +381,7 @@ class DFlashDraftModel(nn.Module):
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         else:
             self.lm_head = None
+        self.activation_checkpointing = False  # training memory switch (engine.activation_checkpointing)
         # borrowed from the target, frozen and never saved: kept off the module tree
         self._target_embed: torch.Tensor | None = None
         self._target_lm_head: torch.Tensor | None = None
@@ -485,9 +485,11 @@ class DFlashDraftModel(nn.Module):
         ctx_cos, ctx_sin = self.rotary_emb(layout.ctx_positions, ctx.dtype)
         cos, sin = self.rotary_emb(layout.block_positions, block_embeds.dtype)
         h = block_embeds
+        checkpoint = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
-            h = layer.forward_train(h, cos, sin, ctx_k, ctx_v, layout, attention)
+            args = (layer, h, cos, sin, ctx, ctx_cos, ctx_sin, layout, attention)
+            h = (torch.utils.checkpoint.checkpoint(_train_layer, *args, use_reentrant=False) if checkpoint
+                 else _train_layer(*args))
         return self.norm(h)
 
     # initialisation -------------------------------------------------------------------------
@@ -506,6 +508,11 @@ class DFlashDraftModel(nn.Module):
             for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 with torch.no_grad():
                     lin.weight.mul_(1.0 / math.sqrt(2 * len(self.layers)))
+
+
+def _train_layer(layer, h, cos, sin, ctx, ctx_cos, ctx_sin, layout, attention):
+    ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
+    return layer.forward_train(h, cos, sin, ctx_k, ctx_v, layout, attention)
 
 
 def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:

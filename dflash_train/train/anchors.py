@@ -64,6 +64,18 @@ def anchor_generator(seed: int, epoch: int, row: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_000_019 + row)
 
 
+def labelled_slots(anchors: torch.Tensor, loss_mask: torch.Tensor, doc_end: torch.Tensor,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid [N, B]: slot k of block n carries a label, position a+k [N, B] clamped into the row).
+    Host tensors: which slots are labelled never depends on label values."""
+    k = torch.arange(block_size)
+    pos = anchors[:, None] + k  # a + k
+    valid = (k[None, :] >= 1) & (pos < doc_end[:, None])
+    safe = pos.clamp(max=loss_mask.numel() - 1)
+    valid &= loss_mask.bool()[safe]
+    return valid, safe
+
+
 def block_labels(anchors: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                  greedy_next: torch.Tensor | None, doc_end: torch.Tensor, block_size: int,
                  labels: str = "greedy") -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,20 +83,20 @@ def block_labels(anchors: torch.Tensor, input_ids: torch.Tensor, loss_mask: torc
     target prediction is the label; used to gather target logits for KL).
 
     anchors index a packed row; doc_end[n] is one past the last token of anchor n's document.
+    Greedy labels stay on the device of `greedy_next` (online features on a GPU): they are
+    gathered there, never copied back to the host.
     """
-    k = torch.arange(block_size)
-    pos = anchors[:, None] + k  # a + k
-    valid = (k[None, :] >= 1) & (pos < doc_end[:, None])
-    safe = pos.clamp(max=input_ids.numel() - 1)
-    valid &= loss_mask.bool()[safe]
+    from dflash_train.data.packing import to_device
+
+    valid, safe = labelled_slots(anchors, loss_mask, doc_end, block_size)
+    src = (safe - 1).clamp(min=0)
     if labels == "greedy":
         if greedy_next is None:
             raise ValueError("labels: greedy needs the target's greedy tokens")
-        src = (safe - 1).clamp(min=0)
-        lab = greedy_next[src]
+        lab = greedy_next[to_device(src, greedy_next.device)]
     elif labels == "dataset":
         lab = input_ids[safe]
     else:
         raise ValueError(f"labels {labels!r}: choose greedy or dataset")
-    lab = torch.where(valid, lab, torch.full_like(lab, IGNORE))
-    return lab, (safe - 1).clamp(min=0)
+    lab = torch.where(to_device(valid, lab.device), lab, torch.full_like(lab, IGNORE))
+    return lab, src

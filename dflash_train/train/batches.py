@@ -2,6 +2,12 @@
 
 Anchors are sampled per document (a per-row budget would starve short documents), with a
 generator fixed by (seed, epoch, prepared row) so a resumed run samples the same anchors.
+
+Host and device. Everything that decides *which* positions train (anchors, labelled slots,
+weights, the layout) is built on the host; values that come from the target (greedy labels,
+features of online runs) stay on the device they were computed on. `microbatch_loss` moves host
+tensors to the model's device through pinned memory and indexes with host-computed indices, so
+a step never waits on the GPU to learn a shape.
 """
 
 from __future__ import annotations
@@ -10,9 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.data.packing import Document, PackedBatch, pack_documents
+from dflash_train.data.packing import Document, PackedBatch, pack_documents, to_device
 from dflash_train.model.modeling_dflash import DFlashDraftModel, TrainLayout, train_layout
-from dflash_train.train.anchors import IGNORE, anchor_generator, block_labels, sample_anchors, slot_weights
+from dflash_train.train.anchors import (
+    IGNORE,
+    anchor_generator,
+    block_labels,
+    labelled_slots,
+    sample_anchors,
+    slot_weights,
+)
 from dflash_train.train.loss import BlockStats, block_stats, head_loss
 
 
@@ -20,24 +33,30 @@ from dflash_train.train.loss import BlockStats, block_stats, head_loss
 class MicroBatch:
     packed: PackedBatch
     anchors: torch.Tensor  # [N] indices into the packed row
-    labels: torch.Tensor  # [N, B] target ids, IGNORE where no loss
-    weights: torch.Tensor  # [N, B] slot weight where labelled, else 0
-    layout: TrainLayout
+    labels: torch.Tensor  # [N, B] target ids, IGNORE where no loss (on the greedy tokens' device)
+    weights: torch.Tensor  # [N, B] slot weight where labelled, else 0 (host)
+    layout: TrainLayout  # host
     target_logp: torch.Tensor | None = None  # [M, V] target log-probs at the labelled slots (kl)
+    valid: torch.Tensor | None = None  # [N, B] bool, host: the slots that carry a label
+
+    def __post_init__(self):
+        if self.valid is None:
+            self.valid = (self.labels != IGNORE).cpu()
 
     @property
     def weight_sum(self) -> float:
-        return float(self.weights.sum())
+        return float(self.weights.sum())  # a host tensor: no device read
 
 
 def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, anchors_per_document: int,
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
-                     target_logits: list[torch.Tensor] | None = None) -> MicroBatch:
+                     target_logits: list[torch.Tensor] | None = None, pin_memory: bool = False) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     target_logits: per document [T_i, V] target logits, needed for the kl loss.
+    pin_memory: host features are packed into pinned memory (for a non-blocking copy to a GPU).
     """
-    packed = pack_documents(docs)
+    packed = pack_documents(docs, pin_memory=pin_memory)
     starts = [0]
     for d in docs[:-1]:
         starts.append(starts[-1] + len(d))
@@ -46,13 +65,14 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     anchors = torch.cat(per_doc) if per_doc else torch.zeros(0, dtype=torch.long)
     lab, src = block_labels(anchors, packed.input_ids, packed.loss_mask, packed.greedy_next,
                             packed.doc_end[anchors], block_size, labels)
-    weights = slot_weights(block_size, gamma)[None, :].expand_as(lab) * (lab != IGNORE)
+    valid, _ = labelled_slots(anchors, packed.loss_mask, packed.doc_end[anchors], block_size)
+    weights = slot_weights(block_size, gamma)[None, :].expand_as(valid) * valid
     layout = train_layout(anchors, packed.doc_start[anchors], packed.positions, block_size)
     target_logp = None
     if target_logits is not None:
         logits = torch.cat([t.float() for t in target_logits])
-        target_logp = torch.log_softmax(logits[src[lab != IGNORE]], dim=-1)
-    return MicroBatch(packed, anchors, lab, weights, layout, target_logp)
+        target_logp = torch.log_softmax(logits[to_device(src[valid], logits.device)], dim=-1)
+    return MicroBatch(packed, anchors, lab, weights, layout, target_logp, valid)
 
 
 def head_weight(model: DFlashDraftModel) -> torch.Tensor:
@@ -66,25 +86,25 @@ def head_weight(model: DFlashDraftModel) -> torch.Tensor:
 
 def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce", attention: str = "split",
                     chunk: int | None = 1024) -> tuple[torch.Tensor, BlockStats]:
-    """Unnormalised weighted loss sum of one micro-batch (differentiable) and its stats."""
+    """Unnormalised weighted loss sum of one micro-batch (differentiable) and its stats, both on the
+    model's device; nothing is read back to the host."""
+    device = model.fc.weight.device
     if mb.anchors.numel() == 0:  # no supervised pair in these documents: a zero that still has a graph
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-        return zero, BlockStats.zeros(model.config.block_size)
-    device = model.fc.weight.device
+        return zero, BlockStats.zeros(model.config.block_size, device)
     first = mb.packed.input_ids[mb.anchors]
-    embeds = model.embed(model.block_ids(first).to(device))
-    layout = mb.layout
-    if layout.anchors.device != device:
-        layout = TrainLayout(*(t.to(device) for t in (layout.anchors, layout.doc_start, layout.ctx_positions,
-                                                      layout.block_positions)), chunk_blocks=layout.chunk_blocks)
-    hidden = model.forward_train(mb.packed.features.to(device), embeds, layout, attention=attention)
-    valid = mb.labels != IGNORE
-    labels = model.target_to_draft(mb.labels[valid].to(device))
+    embeds = model.embed(to_device(model.block_ids(first), device))
+    layout = mb.layout.to(device)
+    hidden = model.forward_train(to_device(mb.packed.features, device), embeds, layout, attention=attention)
+    index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)  # host nonzero: no device sync
+    target_labels = to_device(mb.labels, device)
+    labels = model.target_to_draft(target_labels.flatten().index_select(0, index))
     keep = labels != IGNORE  # reduced vocab: labels outside it cannot be scored
-    w = mb.weights[valid].to(device) * keep
-    target_logp = mb.target_logp.to(device) if mb.target_logp is not None else None
-    loss_sum, preds = head_loss(hidden[valid.to(device)], head_weight(model), labels.clamp(min=0), w,
-                                kind=loss, target_logp=target_logp, chunk=chunk)
+    weights = to_device(mb.weights, device)
+    w = weights.flatten().index_select(0, index) * keep
+    target_logp = to_device(mb.target_logp, device) if mb.target_logp is not None else None
+    loss_sum, preds = head_loss(hidden.flatten(0, 1).index_select(0, index), head_weight(model),
+                                labels.clamp(min=0), w, kind=loss, target_logp=target_logp, chunk=chunk)
     preds = model.draft_to_target(preds)
-    stats = block_stats(loss_sum, mb.labels, mb.weights, preds.cpu())
+    stats = block_stats(loss_sum, target_labels, weights, preds, index)
     return loss_sum, stats

@@ -5,6 +5,8 @@
 2. A deterministic held-out split of those rows (`data.holdout_fraction`).
 3. Documents with context features and greedy tokens: `online` (target forward every time),
    `memory` (computed once per row, kept in RAM) or `offline` (the data stage's feature cache).
+   The target runs under inference_mode; online features, greedy tokens and logits stay on the
+   target's device (a GPU run never copies them to the host and back).
 """
 
 from __future__ import annotations
@@ -137,9 +139,10 @@ class DocumentSource:
                             "target or other layer ids: rebuild it or drop data.feature_cache")
         return doc
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _compute(self, idx: list[int]) -> dict[int, tuple[Document, torch.Tensor | None]]:
-        """One padded target forward over the rows (right padding keeps positions exact)."""
+        """One padded target forward over the rows (right padding keeps positions exact). Memory mode
+        keeps bf16 features in host RAM; online mode leaves everything on the target's device."""
         ids = [torch.tensor(self.rows[i]["input_ids"], dtype=torch.long) for i in idx]
         n = max(len(x) for x in ids)
         batch = torch.zeros(len(ids), n, dtype=torch.long)
@@ -151,13 +154,15 @@ class DocumentSource:
         out = self._extract(batch.to(device), attention_mask=attn.to(device), with_next_tokens=True,
                             return_logits=self.want_logits)
         result = {}
-        store = torch.bfloat16 if self.mode == "memory" else out.features.dtype
+        memory = self.mode == "memory"
+        store = torch.bfloat16 if memory else out.features.dtype
+        home = torch.device("cpu") if memory else out.features.device
         for j, (i, x) in enumerate(zip(idx, ids, strict=False)):
             t = len(x)
             mask = torch.tensor(self.rows[i]["loss_mask"], dtype=torch.bool)
-            doc = Document(input_ids=x, loss_mask=mask, features=out.features[j, :t].to(store).cpu(),
-                           greedy_next=out.next_tokens[j, :t].cpu())
-            logits = out.logits[j, :t].to(torch.bfloat16).cpu() if self.want_logits else None
+            doc = Document(input_ids=x, loss_mask=mask, features=out.features[j, :t].to(store).to(home),
+                           greedy_next=out.next_tokens[j, :t].to(home))
+            logits = out.logits[j, :t].to(torch.bfloat16).to(home) if self.want_logits else None
             result[i] = (doc, logits)
         return result
 

@@ -62,13 +62,18 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(value: float) -> float:
+def all_reduce_sum(value: float | torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`value` summed over ranks: a float64 scalar tensor on `device` (the rank's training device, as
+    nccl needs). Nothing is read back to the host; the caller reads it when it needs the number."""
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64)
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to(device=device, dtype=torch.float64, copy=True)
+    else:  # a fill on the device, not a copy from pageable host memory
+        t = torch.full((), float(value), dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
-    return float(t[0])
+    return t
 
 
 def use_bf16(recipe: TrainRecipe) -> bool:

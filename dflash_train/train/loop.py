@@ -6,6 +6,10 @@ step s on rank r is bin `s * G + j * world + r` (G = grad_accum * world) of its 
 micro-batch is divided by the sum of slot weights over the whole global batch (all ranks, all
 accumulation steps; one all_reduce before the forwards), so the update does not depend on how
 the batch is split.
+
+The step never waits for the device: micro-batches reach it through pinned memory, statistics and
+token counts stay there (summed, all-reduced) and are read back only when they are logged or
+saved. An out-of-memory error in a step becomes a ConfigError naming the micro-batch size.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 from dflash_train.data.packing import plan_microbatches
 from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.train import checkpointing as ckpt
-from dflash_train.train.batches import build_microbatch, microbatch_loss
+from dflash_train.train.batches import build_microbatch, head_weight, microbatch_loss
+from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, step_kernels
 from dflash_train.train.documents import DocumentSource, holdout_split, load_rows, offline_cache, prepared_rows
 from dflash_train.train.engine import World, all_reduce_sum, barrier, build_engine, init_distributed
 from dflash_train.train.finite import FiniteGuard
@@ -68,47 +73,52 @@ class StepPlan:
         return epoch, [self.rows[i] for i in b]
 
 
-def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], epoch: int):
+def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], epoch: int, device: torch.device):
     docs, logits = source.get(rows)
     o = recipe.objective
     return build_microbatch(docs, rows, block_size=recipe.drafter.block_size, anchors_per_document=o.anchors_per_document,
-                            labels=o.labels, seed=recipe.seed, epoch=epoch, gamma=o.gamma, target_logits=logits)
+                            labels=o.labels, seed=recipe.seed, epoch=epoch, gamma=o.gamma, target_logits=logits,
+                            pin_memory=device.type == "cuda")
 
 
 def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPlan, world: World,
-               step: int, guard: FiniteGuard) -> tuple[BlockStats, int]:
-    """One optimizer step; returns the global stats and the number of tokens the step read."""
+               step: int, guard: FiniteGuard, kernels: StepKernels) -> tuple[BlockStats, torch.Tensor]:
+    """One optimizer step; returns the global stats and the number of tokens the step read, both
+    on the device (read them when logging: reading them here would wait for the step to finish)."""
     mbs, tokens = [], 0
     for micro in range(recipe.batch.grad_accum):
         epoch, rows = plan.rows_for(step, micro, world.rank, world.size)
-        mbs.append(_microbatch(recipe, source, rows, epoch))
+        mbs.append(_microbatch(recipe, source, rows, epoch, world.device))
         tokens += mbs[-1].packed.input_ids.numel()
-    global_weight = all_reduce_sum(sum(mb.weight_sum for mb in mbs))
-    stats = BlockStats.zeros(recipe.drafter.block_size)
+    global_weight = all_reduce_sum(sum(mb.weight_sum for mb in mbs), world.device).clamp(min=1e-12)
+    stats = BlockStats.zeros(recipe.drafter.block_size, world.device)
     o = recipe.objective
     for i, mb in enumerate(mbs):
-        loss_sum, st = microbatch_loss(engine.module, mb, loss=o.loss, attention=o.attention, chunk=o.logits_chunk)
+        loss_sum, st = microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
+                                       chunk=kernels.logits_chunk)
         # DeepSpeed averages gradients over ranks: multiply by world to keep a global sum / global weight
-        engine.backward(loss_sum * (world.size / max(global_weight, 1e-12)), scale_wrt_gas=False)
+        engine.backward(loss_sum * (world.size / global_weight).to(loss_sum.dtype), scale_wrt_gas=False)
         guard.observe(step + 1, loss_sum, engine.module if i == len(mbs) - 1 else None)  # on device, no sync
         engine.step()
         stats.add(st)
-    return stats.all_reduce(), int(all_reduce_sum(tokens))
+    return stats.all_reduce(), all_reduce_sum(tokens, world.device)
 
 
 @torch.no_grad()
-def validate(engine, recipe: TrainRecipe, source: DocumentSource, held: list[int], world: World) -> dict | None:
+def validate(engine, recipe: TrainRecipe, source: DocumentSource, held: list[int], world: World,
+             kernels: StepKernels) -> dict | None:
     """Loss, accuracy per position and acceptance length on held-out rows (fixed anchors)."""
     rows = held[: recipe.logging.eval_documents]
     if not rows:
         return None
     bins = plan_microbatches([source.lengths[i] for i in rows], recipe.batch.tokens_per_microbatch, recipe.seed, 0)
-    stats = BlockStats.zeros(recipe.drafter.block_size)
+    stats = BlockStats.zeros(recipe.drafter.block_size, world.device)
     engine.module.eval()
     for b in bins[world.rank::world.size]:
-        mb = _microbatch(recipe, source, [rows[i] for i in b], epoch=0)
+        mb = _microbatch(recipe, source, [rows[i] for i in b], 0, world.device)
         o = recipe.objective
-        stats.add(microbatch_loss(engine.module, mb, loss=o.loss, attention=o.attention, chunk=o.logits_chunk)[1])
+        stats.add(microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
+                                  chunk=kernels.logits_chunk)[1])
     engine.module.train()
     return stats.all_reduce().summary()
 
@@ -224,6 +234,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     d = recipe.data
     sources = [*sources, recipe.target, d.prepared, d.source, d.feature_cache, recipe.drafter.init_from]
     world = init_distributed()
+    resolve_attention(recipe.objective.attention, world.device)  # refuse flex without CUDA before loading
     _check_output(output, resolved, resume, sources)
     random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
@@ -249,8 +260,10 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                             target_hidden=target_model.config.get_text_config().hidden_size)
     plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size)
     source.warm(train_rows + held[: recipe.logging.eval_documents], progress=world.is_main and recipe.logging.progress)
+    drafter.activation_checkpointing = recipe.engine.activation_checkpointing
     engine, scheduler = build_engine(drafter, recipe, plan.total)
     engine.module.attach_target(target_model)
+    kernels = step_kernels(recipe, world.device, head_weight(engine.module).shape[0])
 
     state = {"step": 0, "tokens": 0, "positions": 0, "history": []}
     if resume and ckpt.step_folders(output):
@@ -264,31 +277,48 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     log = RunLog(output, world.is_main, state["history"])
     progress = Progress(plan.total, state["step"], world.is_main and recipe.logging.progress)
 
+    # counts since the last flush, on the device: read (one host sync) only to log or save
+    pending = {"tokens": torch.zeros((), dtype=torch.float64, device=world.device),
+               "positions": torch.zeros((), dtype=torch.float64, device=world.device)}
+
+    def flush() -> None:
+        for key, value in pending.items():
+            state[key] += int(value)
+            value.zero_()
+
     def save(step: int) -> None:
         guard.check_weights(step, engine.module)
+        flush()
         snapshot = {"step": step, "world_size": world.size, "tokens": state["tokens"], "positions": state["positions"],
                     "epoch": plan.locate(step)[0] if step < plan.total else None, "history": log.history}
         ckpt.save_checkpoint(engine, world, output, step, snapshot, config_yaml, recipe.checkpoint.keep_last,
                              recipe.drafter.dtype)
 
     # the loop -------------------------------------------------------------------------------
-    window = BlockStats.zeros(recipe.drafter.block_size)
+    window = BlockStats.zeros(recipe.drafter.block_size, world.device)
     guard, lg = FiniteGuard(world.device, recipe.optim.lr, recipe.optim.grad_clip), recipe.logging
+    t_loop = time.time()
     for step in range(state["step"], plan.total):
-        stats, tokens = train_step(engine, recipe, source, plan, world, step, guard)
+        with oom_guard(recipe, world.device):
+            stats, tokens = train_step(engine, recipe, source, plan, world, step, guard, kernels)
         if step + 1 == plan.total or any((step + 1) % n == 0 for n in (lg.log_every, lg.eval_every,
                                                                         recipe.checkpoint.save_every)):
             guard.check()  # read once before anything is logged, validated or saved from this step
-        state["tokens"] += tokens
-        state["positions"] += int(stats.valid.sum())
+        pending["tokens"] += tokens
+        pending["positions"] += stats.valid.sum()
         window.add(stats)
         done = step + 1
-        progress.update(int(stats.valid.sum()), stats.summary(), scheduler.get_last_lr()[0])
+        progress.step()
         if done % recipe.logging.log_every == 0 or done == plan.total:
-            log.record(done, "train", window.summary(), {"lr": scheduler.get_last_lr()[0], "tokens": state["tokens"]})
-            window = BlockStats.zeros(recipe.drafter.block_size)
+            flush()
+            summary, lr = window.summary(), scheduler.get_last_lr()[0]
+            progress.show(summary, lr, state["positions"])
+            log.record(done, "train", summary, {"lr": lr, "tokens": state["tokens"],
+                                                "time_s": round(time.time() - t_loop, 3)})
+            window = BlockStats.zeros(recipe.drafter.block_size, world.device)
         if done % recipe.logging.eval_every == 0 or done == plan.total:
-            val = validate(engine, recipe, source, held, world)
+            with oom_guard(recipe, world.device):
+                val = validate(engine, recipe, source, held, world, kernels)
             if val is not None:
                 log.record(done, "val", val)
         if done % recipe.checkpoint.save_every == 0 or done == plan.total:

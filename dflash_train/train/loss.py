@@ -8,8 +8,22 @@ respect to the hidden states (softmax - target is closed-form), so a chunk's log
 before the next chunk starts and the backward pass never recomputes them (cheaper than
 activation checkpointing, which runs the head twice).
 
+Precision. fp32 hidden states run exactly as they always did (fp32 matmuls; a bf16 head is
+upcast per call). bf16/fp16 hidden states (the GPU engine) keep the head in its own dtype: the
+matmuls run on tensor cores with fp32 accumulation and fp32 output (`torch.mm(..., out_dtype=)`
+on CUDA; a half-precision product upcast elsewhere), the log-softmax and the loss are fp32 per
+chunk, and the softmax - target matrix is rounded to the head's dtype only to multiply it back.
+No fp32 copy of the [V, H] head is made.
+
+Chunk size (`logits_chunk: auto`, `auto_logits_chunk`): a chunk holds about 10 bytes per logit
+(fp32 logits and log-probabilities, then the half-precision softmax), so on a GPU the chunk is
+the largest multiple of 256 positions whose logits fit in 2 GiB (1280 positions for a 151936
+vocabulary, 4352 for 49152): large enough that each matmul runs at tensor-core speed, small next
+to the drafter's activations. On CPU it stays 1024.
+
 Loss sums are weighted (w_k, anchors.slot_weights) and left unnormalised; the caller divides by
-the sum of weights over the global batch.
+the sum of weights over the global batch. Statistics stay on the device of the loss; only
+`BlockStats.summary` reads them back (at log time).
 """
 
 from __future__ import annotations
@@ -21,6 +35,24 @@ import torch.nn.functional as F
 
 from dflash_train.train.anchors import IGNORE
 
+_CHUNK_BYTES = 2 << 30  # GPU budget for one chunk's logits and their softmax
+
+
+def auto_logits_chunk(vocab: int, device: torch.device | str) -> int:
+    """Positions per LM-head chunk: 1024 on CPU; on a GPU as many as fit in 2 GiB at 10 bytes per logit."""
+    if torch.device(device).type != "cuda":
+        return 1024
+    return int(min(8192, max(256, _CHUNK_BYTES // (10 * vocab) // 256 * 256)))
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as fp32: fp32 operands as they are; half-precision operands with fp32 accumulation and output."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
 
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
@@ -31,11 +63,13 @@ class _FusedHeadLoss(torch.autograd.Function):
         preds = torch.empty(m, dtype=torch.long, device=hidden.device)
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        w32 = weight.float() if weight.dtype != torch.float32 else weight
+        half = hidden.dtype != torch.float32
+        # the head in the matmul dtype: fp32 for fp32 hidden states (as before), else the hidden dtype
+        w = weight.to(hidden.dtype) if half else (weight.float() if weight.dtype != torch.float32 else weight)
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
-            h = hidden[s:e].float()
-            logits = h @ w32.t()
+            h = hidden[s:e] if half else hidden[s:e].float()
+            logits = _mm(h, w.t())
             preds[s:e] = logits.argmax(-1)
             logp = torch.log_softmax(logits, dim=-1)
             del logits
@@ -53,17 +87,19 @@ class _FusedHeadLoss(torch.autograd.Function):
             del logp
             if d is None:
                 continue
+            if half:
+                d = d.to(w.dtype)
             # the weights scale rows: apply them to the [n, H] products, not to the [n, V] matrix
             if want_h:
-                g = d @ w32
+                g = _mm(d, w)
                 if kind == "ce":
-                    g -= w32[lab]
+                    g -= w[lab].float() if half else w[lab]
                 grad_h[s:e] = g * wt[:, None]
             if want_w:
-                hw = h * wt[:, None]
-                grad_w += d.t() @ hw
+                hw = h * wt[:, None].to(h.dtype)
+                grad_w += _mm(d.t(), hw)
                 if kind == "ce":
-                    grad_w.index_add_(0, lab, -hw)
+                    grad_w.index_add_(0, lab, -hw.float() if half else -hw)
             del d
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
                               grad_w if grad_w is not None else torch.empty(0))
@@ -111,7 +147,10 @@ def reference_head_loss(hidden, weight, labels, weights, kind="ce", target_logp=
 
 @dataclass
 class BlockStats:
-    """Sums that aggregate over micro-batches and ranks (all tensors, all_reduce-able)."""
+    """Sums that aggregate over micro-batches and ranks (all tensors on one device, all_reduce-able).
+
+    They stay where the loss was computed: `add` and `all_reduce` never read a value back to the
+    host; `summary` does, once, at log time."""
 
     loss_sum: torch.Tensor  # weighted loss sum
     weight_sum: torch.Tensor
@@ -121,14 +160,15 @@ class BlockStats:
     blocks: torch.Tensor  # number of blocks
 
     @classmethod
-    def zeros(cls, block_size: int) -> BlockStats:
-        z = torch.zeros((), dtype=torch.float64)
-        return cls(z.clone(), z.clone(), torch.zeros(block_size, dtype=torch.float64),
-                   torch.zeros(block_size, dtype=torch.float64), z.clone(), z.clone())
+    def zeros(cls, block_size: int, device: torch.device | str | None = None) -> BlockStats:
+        z = torch.zeros((), dtype=torch.float64, device=device)
+        return cls(z.clone(), z.clone(), torch.zeros(block_size, dtype=torch.float64, device=device),
+                   torch.zeros(block_size, dtype=torch.float64, device=device), z.clone(), z.clone())
 
     def add(self, other: BlockStats) -> BlockStats:
         for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name).detach().double().cpu())
+            mine = getattr(self, f.name)
+            setattr(self, f.name, mine + getattr(other, f.name).detach().double().to(mine.device))
         return self
 
     def all_reduce(self) -> BlockStats:
@@ -145,7 +185,7 @@ class BlockStats:
         return self
 
     def summary(self) -> dict:
-        """loss (normalised), per-slot accuracy (slots 1..B-1) and mean acceptance length."""
+        """loss (normalised), per-slot accuracy (slots 1..B-1) and mean acceptance length (a host read)."""
         acc = (self.correct / self.valid.clamp(min=1))[1:]
         return {"loss": float(self.loss_sum / self.weight_sum.clamp(min=1e-12)),
                 "acc": [round(float(a), 6) for a in acc],
@@ -153,15 +193,20 @@ class BlockStats:
                 "positions": int(self.valid.sum())}
 
 
-def block_stats(loss_sum: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, preds: torch.Tensor) -> BlockStats:
+def block_stats(loss_sum: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, preds: torch.Tensor,
+                index: torch.Tensor | None = None) -> BlockStats:
     """Stats of N blocks: labels [N, B] (IGNORE = no loss), weights [N, B], preds [M] for the
-    valid positions in row-major order."""
+    valid positions in row-major order; `index` [M]: their flat positions (computed on the host,
+    so nothing here waits for the device; found here when not given)."""
     valid = labels != IGNORE
-    correct = torch.zeros_like(valid)
-    correct[valid] = preds == labels[valid]
+    if index is None:
+        index = valid.flatten().nonzero().squeeze(1)
+    correct = torch.zeros(valid.numel(), dtype=torch.bool, device=labels.device)
+    correct[index] = preds == labels.flatten()[index]
+    correct = correct.view(valid.shape)
     # acceptance: 1 + leading slots (from slot 1) that have a label and are predicted right
     run = torch.cumprod((correct & valid)[:, 1:].long(), dim=1).sum(1)
-    return BlockStats(loss_sum=loss_sum.detach().double(), weight_sum=weights[valid].sum().double(),
+    blocks = torch.full((), labels.shape[0], dtype=torch.float64, device=labels.device)
+    return BlockStats(loss_sum=loss_sum.detach().double(), weight_sum=weights.flatten()[index].sum().double(),
                       correct=correct.sum(0).double(), valid=valid.sum(0).double(),
-                      accept_sum=(1 + run).sum().double(), blocks=torch.tensor(float(labels.shape[0]),
-                                                                                dtype=torch.float64))
+                      accept_sum=(1 + run).sum().double(), blocks=blocks)

@@ -48,26 +48,32 @@ class RunLog:
 
 
 class Progress:
-    """tqdm bar over optimizer steps showing loss, acceptance, trained positions/s and ETA."""
+    """tqdm bar over optimizer steps; loss, acceptance, trained positions/s and lr are refreshed at log
+    time (reading them every step would make every step wait for the GPU)."""
 
     def __init__(self, total: int, start: int, enabled: bool):
         self.bar = None
         self.t0 = time.time()
         self.start = start
-        self.positions = 0
+        self.positions0: int | None = None
         if enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
-    def update(self, positions: int, stats: dict, lr: float) -> None:
-        self.positions += positions
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def show(self, stats: dict, lr: float, positions: int) -> None:
+        """stats: a BlockStats summary; positions: trained positions of the run so far."""
+        if self.positions0 is None:  # the rate counts this session's positions only (resumed runs)
+            self.positions0 = positions - stats["positions"]
         if self.bar is None:
             return
-        rate = self.positions / max(1e-9, time.time() - self.t0)
+        rate = (positions - self.positions0) / max(1e-9, time.time() - self.t0)
         self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['accept_len']:.2f}", lr=f"{lr:.2e}",
-                             tok_s=f"{rate:.0f}", refresh=False)
-        self.bar.update(1)
+                             pos_s=f"{rate:.0f}", refresh=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -8,7 +8,7 @@ to the run folder with, on every line, the layer that set the field.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -75,8 +75,10 @@ class ObjectiveConfig(_Section):
     labels: Literal["greedy", "dataset"] = "greedy"
     anchors_per_document: int = Field(512, gt=0)
     gamma: float | None = Field(None, gt=0)  # default: by block size (see anchors.gamma_for_block_size)
-    attention: Literal["split", "dense", "flex"] = "split"
-    logits_chunk: int = Field(1024, gt=0)  # positions per LM-head chunk
+    # auto: compiled flex attention on a CUDA GPU, split on CPU; flex needs CUDA; dense is the reference
+    attention: Literal["auto", "split", "dense", "flex"] = "auto"
+    # positions per LM-head chunk; auto: 1024 on CPU, by vocabulary size on a GPU (train/loss.py)
+    logits_chunk: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
 
 
 class OptimConfig(_Section):
@@ -101,6 +103,9 @@ class EngineConfig(_Section):
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     optimizer: Literal["torch", "deepspeed"] = "torch"  # torch: AdamW as DeepSpeed's client optimizer
     num_gpus: int = Field(1, gt=0)  # documentation for the launch command; the launcher sets the world
+    # keep only each draft layer's input and recompute the layer in the backward: less activation
+    # memory (a micro-batch with many anchors fits), ~1/3 more layer compute; same gradients
+    activation_checkpointing: bool = False
 
 
 class CheckpointConfig(_Section):

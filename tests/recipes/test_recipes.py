@@ -1,5 +1,7 @@
-"""Every recipe under recipes/ (recursively) validates; the schema rejects bad fields by dotted path."""
+"""Every recipe under recipes/ (recursively) validates and dry-runs; the schema rejects bad fields by dotted path."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ RECIPES = sorted(ROOT.rglob("*.yaml")) + sorted(ROOT.rglob("*.yml"))
 
 def test_recipes_exist():
     names = {p.name for p in RECIPES}
-    assert {"smollm2-135m-demo.yaml", "qwen3-8b-b16.yaml", "llama3.1-8b-instruct-b16.yaml",
+    assert {"smollm2-135m-demo.yaml", "smollm2-135m-gpu.yaml", "qwen3-8b-b16.yaml", "llama3.1-8b-instruct-b16.yaml",
             "qwen3.5-9b-b16.yaml"} <= names
 
 
@@ -41,6 +43,25 @@ def test_paper_recipe_values():
     assert load_recipe(ROOT / "qwen3.5-9b-b16.yaml").recipe.drafter.mask_token_id == 248070
     demo = load_recipe(ROOT / "smollm2-135m-demo.yaml").recipe
     assert demo.target is None and demo.drafter.block_size == 8 and demo.drafter.mask_token_id == 16
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_recipe_dry_runs(path):
+    res = subprocess.run([str(Path(sys.executable).parent / "dflash-train"), "train", "--config", str(path),
+                          "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "block_size:" in res.stdout and "attention:" in res.stdout
+
+
+def test_gpu_recipes_use_auto_attention_and_bf16():
+    for name in ("qwen3-8b-b16.yaml", "llama3.1-8b-instruct-b16.yaml", "qwen3.5-9b-b16.yaml"):
+        r = load_recipe(ROOT / name).recipe
+        assert (r.objective.attention, r.engine.precision, r.engine.activation_checkpointing) == ("auto", "bf16", True)
+    g = load_recipe(ROOT / "smollm2-135m-gpu.yaml").recipe
+    assert g.target is None and g.data.source == "sharegpt" and g.data.max_turns == 1 and g.data.regenerate.enabled
+    assert g.drafter.block_size == 16 and 2 <= g.drafter.num_layers <= 3 and g.drafter.draft_vocab_size is None
+    assert (g.objective.attention, g.objective.logits_chunk, g.engine.precision) == ("auto", "auto", "bf16")
+    assert g.data.holdout_fraction > 0 and g.eval.enabled
 
 
 def test_overrides_beat_recipe_beat_defaults():

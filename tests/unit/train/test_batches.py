@@ -136,3 +136,76 @@ def test_empty_microbatch_has_zero_loss_with_graph():
     loss, stats = microbatch_loss(model, mb)
     loss.backward()
     assert float(loss) == 0.0 and float(stats.blocks) == 0
+
+
+def _saved_bytes(model, mb, attention):
+    """Bytes autograd keeps for the backward of one micro-batch."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = microbatch_loss(model, mb, attention=attention, chunk=7)
+    return loss, total[0]
+
+
+@pytest.mark.parametrize("attention", ["split", "dense"])
+def test_activation_checkpointing_gives_the_same_gradients_with_less_saved(attention):
+    mb = build_microbatch(random_docs([40, 31, 52]), [0, 1, 2], block_size=4, anchors_per_document=12,
+                          labels="greedy", seed=0, epoch=0)
+    results = {}
+    for checkpointing in (False, True):
+        model = tiny_model(layers=3)
+        model.activation_checkpointing = checkpointing
+        loss, saved = _saved_bytes(model, mb, attention)
+        loss.backward()
+        results[checkpointing] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, saved)
+    (l0, g0, s0), (l1, g1, s1) = results[False], results[True]
+    assert torch.equal(l0, l1)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=1e-6, msg=name)
+    assert s1 < 0.6 * s0, (s1, s0)  # only the layer inputs stay
+
+
+def test_bf16_microbatch_loss_equals_fp32_to_bf16_tolerance():
+    mb = build_microbatch(random_docs([40, 31]), [0, 1], block_size=4, anchors_per_document=12,
+                          labels="greedy", seed=0, epoch=0)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model().to(dtype)
+        model.attach_target_weights(model._target_embed.to(dtype), model._target_lm_head.to(dtype))
+        loss, stats = microbatch_loss(model, mb, attention="split", chunk=16)
+        loss.backward()
+        results[dtype] = (float(loss.detach()), stats.summary()["positions"], model.fc.weight.grad.float())
+    (l32, n32, g32), (l16, n16, g16) = results[torch.float32], results[torch.bfloat16]
+    assert n32 == n16 > 0 and abs(l16 - l32) <= 1e-2 * abs(l32)
+    assert (g16 - g32).abs().max() <= 5e-2 * g32.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["split", "flex"])
+def test_microbatch_forward_and_backward_never_sync_on_gpu(attention):
+    """Under CUDA's sync debug mode every host-device synchronisation raises."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from dflash_train.train.loss import BlockStats
+
+    model = tiny_model().to("cuda", torch.bfloat16)
+    model.attach_target_weights(model._target_embed.to("cuda", torch.bfloat16),
+                                model._target_lm_head.to("cuda", torch.bfloat16))
+    mbs = [build_microbatch(random_docs(lengths, seed=i), list(range(len(lengths))), block_size=4,
+                            anchors_per_document=8, labels="greedy", seed=0, epoch=0, pin_memory=True)
+           for i, lengths in enumerate([[25, 18], [30, 11]])]
+    microbatch_loss(model, mbs[0], attention=attention, chunk=16)[0].backward()  # compiles outside the check
+    stats = BlockStats.zeros(4, "cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for mb in mbs:
+            loss, st = microbatch_loss(model, mb, attention=attention, chunk=16)
+            loss.backward()
+            stats.add(st)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert stats.summary()["positions"] > 0

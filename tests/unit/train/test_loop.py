@@ -120,6 +120,7 @@ def test_two_ranks_match_one_rank(reference_run, tmp_path):
     ("drafter.target_layer_ids=[1,9]", "drafter.target_layer_ids: layer id 9"),
     ("drafter.mask_token_id=300", "drafter.mask_token_id: 300"),
     ("drafter.block_size=1", "drafter.block_size"),
+    ("objective.attention=flex", "objective.attention: flex needs a CUDA GPU"),  # this machine has none
 ])
 def test_bad_input_is_refused(tmp_path, train_tiny_target, train_prepared, override, needle):
     recipe = _recipe(tmp_path, train_tiny_target, train_prepared)
@@ -167,3 +168,56 @@ def test_reduced_vocab_run_keeps_the_most_frequent_supervised_ids(tmp_path, trai
                   "--set", "drafter.train_lm_head=true"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert (load_drafter(out2 / "final").lm_head.weight - target_head[kept]).abs().max() > 1e-5
+
+
+class _EngineOnMeta:
+    """DeepSpeed cannot run on the meta device: the same calls (backward, step) on the bare module."""
+
+    def __init__(self, module):
+        self.module, self.steps = module, 0
+
+    def backward(self, loss, scale_wrt_gas=True):
+        loss.backward()
+
+    def step(self):
+        self.steps += 1
+
+
+@pytest.mark.parametrize("attention", ["split", "dense"])
+def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attention):
+    """The whole step with the drafter on the meta device, where every read of a device value (item,
+    float, .cpu(), a boolean-mask index, a data-dependent shape) raises: the statistics, token count
+    and loss scale stay on the device until the loop logs them."""
+    from dflash_train.features.target import load_target
+    from dflash_train.model.config import DFlashConfig
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.train.device import StepKernels
+    from dflash_train.train.documents import DocumentSource, load_rows
+    from dflash_train.train.engine import World
+    from dflash_train.train.finite import FiniteGuard
+    from dflash_train.train.loop import StepPlan, train_step
+    from dflash_train.train.recipe import load_recipe
+
+    recipe = load_recipe(None, base={"data": {"prepared": str(train_prepared), "features": "memory"},
+                                     "drafter": {"num_layers": 2, "block_size": 4, "mask_token_id": 16},
+                                     "batch": {"tokens_per_microbatch": 256, "grad_accum": 2}}).recipe
+    target, _ = load_target(str(train_tiny_target), dtype=torch.float32, device="cpu")
+    rows = load_rows(train_prepared)
+    source = DocumentSource(rows, "memory", target, [1, 3], target_hidden=64)
+    plan = StepPlan(list(range(len(source))), source.lengths, recipe, 1)
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=49152, draft_vocab_size=49152,
+                       target_hidden_size=64, num_target_layers=6, aux_hidden_state_layer_ids=[2, 4], block_size=4,
+                       mask_token_id=16, dtype="float32")
+    meta = torch.device("meta")
+    model = DFlashDraftModel(cfg).to(meta)
+    model.activation_checkpointing = True
+    head = target.get_output_embeddings().weight
+    model.attach_target_weights(torch.empty(head.shape, device=meta), torch.empty(head.shape, device=meta))
+    engine = _EngineOnMeta(model)
+    stats, tokens = train_step(engine, recipe, source, plan, World(0, 1, 0, meta), 0,
+                               FiniteGuard(meta, 1e-3, 1.0), StepKernels(attention, 64))
+    assert engine.steps == 2 and tokens.device == meta and stats.loss_sum.device == meta
+    assert all(p.grad is not None and p.grad.device == meta for p in model.parameters())
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        stats.summary()  # the negative control: the loop's log-time read would raise here

@@ -1,10 +1,13 @@
-"""Chunked fused LM-head loss equals the naive all-logits loss; block metrics count right."""
+"""Chunked fused LM-head loss equals the naive all-logits loss (fp32 exactly as before, bf16 to bf16
+tolerance, never copying the head); block metrics count right."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dflash_train.train.anchors import IGNORE
-from dflash_train.train.loss import block_stats, head_loss, reference_head_loss
+from dflash_train.train.loss import auto_logits_chunk, block_stats, head_loss, reference_head_loss
 
 
 @pytest.mark.parametrize("kind", ["ce", "kl"])
@@ -49,3 +52,76 @@ def test_block_stats_acceptance_and_accuracy():
     assert s["accept_len"] == pytest.approx((4 + 1 + 3) / 3)
     assert s["acc"] == pytest.approx([2 / 3, 1.0, 1 / 2])
     assert s["loss"] == pytest.approx(2.0 / 8)
+
+
+def _head_inputs(m=96, h=64, v=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, h, generator=g), torch.randn(v, h, generator=g) * 0.5, torch.randint(0, v, (m,), generator=g),
+            torch.rand(m, generator=g), torch.log_softmax(torch.randn(m, v, generator=g), -1))
+
+
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+def test_half_precision_head_equals_the_fp32_path_to_bf16_tolerance(kind):
+    hidden, weight, labels, w, tlp = _head_inputs()
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        h = hidden.to(dtype, copy=True).requires_grad_()
+        wt = weight.to(dtype, copy=True).requires_grad_()  # a trainable (reduced-vocab) head: its gradient too
+        out, pred = head_loss(h, wt, labels, w, kind, tlp, chunk=40)
+        (out * 0.5).backward()
+        assert out.dtype == torch.float32 and h.grad.dtype == dtype and wt.grad.dtype == dtype
+        results[dtype] = (out.detach(), pred, h.grad.float(), wt.grad.float())
+    (l32, p32, gh32, gw32), (l16, p16, gh16, gw16) = results[torch.float32], results[torch.bfloat16]
+    assert abs(float(l16) - float(l32)) <= 2e-3 * abs(float(l32))
+    assert (p16 == p32).float().mean() >= 0.95  # argmax ties move under bf16 rounding, rarely
+    for a, b in ((gh16, gh32), (gw16, gw32)):
+        assert (a - b).abs().max() <= 3e-2 * b.abs().max()  # bf16 inputs: ~2^-8 relative each
+
+
+class _Allocations(TorchDispatchMode):
+    """Records the shape and dtype of every tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.seen += [(tuple(t.shape), t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_bf16_head_is_never_copied():
+    hidden, weight, labels, w, _ = _head_inputs(v=997)
+    head = weight.bfloat16()  # the frozen target head, as the GPU engine holds it
+    for dtype, copies in ((torch.bfloat16, 0), (torch.float32, 1)):  # fp32 hidden: upcast, as before
+        h = hidden.to(dtype, copy=True).requires_grad_()
+        with _Allocations() as allocs:
+            out, _ = head_loss(h, head, labels, w, chunk=32)
+            out.backward()
+        assert sum(shape == tuple(head.shape) for shape, _ in allocs.seen) == copies
+
+
+def test_auto_logits_chunk_fits_two_gib_on_gpu_and_stays_1024_on_cpu():
+    assert auto_logits_chunk(151936, "cpu") == 1024
+    assert auto_logits_chunk(151936, "cuda") == 1280 and auto_logits_chunk(49152, "cuda") == 4352
+    for vocab in (4096, 32000, 49152, 128256, 151936, 262144):
+        c = auto_logits_chunk(vocab, "cuda")
+        assert c % 256 == 0 and 256 <= c <= 8192 and (10 * c * vocab <= 2 << 30 or c == 256)
+
+
+@pytest.mark.gpu
+def test_bf16_head_on_gpu_equals_the_fp32_head():
+    """The CUDA path: torch.mm(..., out_dtype=float32) on bf16 operands (tensor cores, fp32 out)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    hidden, weight, labels, w, _ = (t.cuda() for t in _head_inputs(m=700, h=256, v=32000))
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        h = hidden.to(dtype, copy=True).requires_grad_()
+        out, pred = head_loss(h, weight.to(dtype), labels, w, chunk=auto_logits_chunk(32000, "cuda"))
+        out.backward()
+        results[dtype] = (float(out), pred, h.grad.float())
+    (l32, p32, g32), (l16, p16, g16) = results[torch.float32], results[torch.bfloat16]
+    assert abs(l16 - l32) <= 2e-3 * abs(l32) and (p16 == p32).float().mean() >= 0.95
+    assert (g16 - g32).abs().max() <= 3e-2 * g32.abs().max()

@@ -1,0 +1,223 @@
+"""GPU training bench (issue 12): step time, trained positions/s, peak memory and the fraction of the
+FLOP bound of one training micro-batch at the Qwen3-8B drafter shapes (hidden 4096, vocab 151936,
+T=4096, 512 anchors, B=16; 1 and 5 layers) for split, compiled flex and dense attention, plus the
+`dflash-train train` throughput with the SmolLM2 target (recipes/smollm2-135m-gpu.yaml).
+
+A step is what the trainer runs per micro-batch: `microbatch_loss` forward and backward, bf16 on the
+GPU, the LM-head chunk of `logits_chunk: auto`, no optimizer update. FLOPs are counted from the shapes
+(the LM head forward and input gradient; per layer the q/k/v/o and MLP matmuls forward and backward,
+the context k/v projections, the query-key pairs the training mask allows; the context projection);
+the bound is those FLOPs at the rate of a plain square matmul in the step's dtype, measured in the same
+run. Every variant runs in its own subprocess (its own peak memory; an out-of-memory variant is a row,
+not a crash).
+
+`--smoke` runs the same code on CPU at a tiny shape in fp32 (compiled flex is skipped there: torch has no
+CPU flex-attention backward), CI-safe, in about a minute; without a CUDA GPU the bench runs the smoke.
+
+Usage: python bench/bench_train_gpu.py [--smoke] [--steps 10] [--train-steps 60] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from bench_train_step import Shape, build_step
+
+QWEN3_8B = Shape(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936,
+                 target_hidden=4096, features=5, tokens=4096, anchors=512, block=16)
+TINY = Shape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=1024, target_hidden=64,
+             features=5, tokens=384, anchors=48, block=16)
+VARIANTS = [("split", False), ("flex", False), ("dense", False), ("flex", True)]  # (attention, checkpointing)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def step_flops(shape: Shape, mb) -> float:
+    """Useful FLOPs of one micro-batch, forward and backward (recomputation not counted)."""
+    s = shape
+    n, b = mb.labels.shape
+    rows, t, labelled = n * b, mb.packed.input_ids.numel(), int(mb.valid.sum())
+    visible = int((mb.anchors - mb.layout.doc_start).sum())  # context keys per block, summed
+    pairs = b * visible + n * b * b  # each block's queries x (its context, its own block)
+    kv = 2 * s.kv_heads * s.head_dim
+    fc = 2 * 2 * t * s.features * s.target_hidden * s.hidden  # forward + weight gradient (features are data)
+    layer = (3 * 2 * t * s.hidden * kv  # context k/v: forward, input and weight gradients
+             + 3 * 2 * rows * s.hidden * (2 * s.heads * s.head_dim + kv)  # q, o and block k/v
+             + 3 * 2 * rows * s.hidden * 3 * s.intermediate  # gate, up, down
+             + 3 * 4 * pairs * s.heads * s.head_dim)  # scores and values, forward + 2x backward
+    head = 2 * 2 * labelled * s.hidden * s.vocab  # logits and the input gradient (the head is frozen)
+    return fc + s.layers * layer + head
+
+
+def matmul_rate(device: str, dtype, n: int) -> float:
+    """FLOP/s of an n^3 matmul in `dtype` on `device` (best of 5 after a warm-up)."""
+    import torch
+
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for i in range(6):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, device: str) -> dict:
+    import torch
+
+    from dflash_train.train.batches import head_weight, microbatch_loss
+    from dflash_train.train.loss import auto_logits_chunk
+
+    if device == "cpu":  # tiny shapes: with more threads than free cores, thread start-up dominates
+        torch.set_num_threads(1)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, mb = build_step(shape, device, dtype)
+    model.activation_checkpointing = checkpointing
+    chunk = auto_logits_chunk(head_weight(model).shape[0], device)
+    weight = mb.weight_sum
+
+    def step():
+        loss, _ = microbatch_loss(model, mb, attention=attention, chunk=chunk)
+        (loss / weight).backward()
+        model.zero_grad(set_to_none=True)  # no update: every step measures the same work
+
+    for _ in range(2):  # warm-up: compiles, allocator pools
+        step()
+    _sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()  # no per-step sync: steps queue back to back, as in training
+    _sync(device)
+    step_s = (time.perf_counter() - t0) / steps
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"step_s": step_s, "positions": int(mb.valid.sum()), "peak_bytes": peak, "flops": step_flops(shape, mb),
+            "chunk": chunk}
+
+
+def _variant_subprocess(shape: Shape, attention: str, checkpointing: bool, steps: int, device: str) -> dict:
+    spec = json.dumps({"shape": asdict(shape), "attention": attention, "checkpointing": checkpointing,
+                       "steps": steps, "device": device})
+    out = subprocess.run([sys.executable, __file__, "--variant", spec], capture_output=True, text=True)
+    if out.returncode == 0:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    if "OutOfMemoryError" in out.stderr or "out of memory" in out.stderr:
+        return {"error": "out of memory"}
+    sys.exit(f"{attention} failed:\n{out.stderr[-3000:]}")
+
+
+def train_throughput(smoke: bool, steps: int) -> dict:
+    """`dflash-train train` on the SmolLM2 GPU recipe (no regeneration: throughput only): tokens/s
+    between the first and the last train log entries (the first window holds compile and warm-up)."""
+    sets = {"data.regenerate.enabled": "false", "data.max_samples": 2000, "eval.enabled": "false",
+            "logging.log_every": 10, "logging.eval_every": 10**6, "checkpoint.save_every": 10**6,
+            "logging.progress": "false"}
+    if smoke:  # CPU: a 1-layer fp32 drafter with a small head on a few short rows, features computed once
+        steps = 4
+        sets.update({"data.source": "chitchat", "data.max_samples": 12, "data.max_length": 96,
+                     "data.features": "memory", "drafter.num_layers": 1, "drafter.draft_vocab_size": 2048,
+                     "batch.tokens_per_microbatch": 256, "objective.anchors_per_document": 16,
+                     "engine.precision": "fp32", "logging.log_every": 1})
+    with tempfile.TemporaryDirectory() as tmp:
+        sets["data.cache_dir"] = str(Path(tmp) / "data")
+        cmd = [str(Path(sys.executable).parent / "dflash-train"), "train", "--config",
+               str(ROOT / "recipes" / "smollm2-135m-gpu.yaml"), "--output", str(Path(tmp) / "run"),
+               "--max-steps", str(steps)]
+        for key, value in sets.items():
+            cmd += ["--set", f"{key}={value}"]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"OMP_NUM_THREADS": "1"} if smoke else {})}
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if out.returncode:
+            sys.exit(f"dflash-train train failed:\n{out.stderr[-3000:]}")
+        state = sorted((Path(tmp) / "run" / "checkpoints").glob("step-*/trainer_state/state.json"))[-1]
+        logs = [h for h in json.loads(state.read_text())["history"] if h["split"] == "train"]
+    first, last = logs[0], logs[-1]
+    dt = last["time_s"] - first["time_s"]
+    return {"tokens_per_s": (last["tokens"] - first["tokens"]) / dt, "step_s": dt / (last["step"] - first["step"]),
+            "steps": last["step"] - first["step"], "layers": int(sets.get("drafter.num_layers", 3)),
+            "tokens_per_microbatch": int(sets.get("batch.tokens_per_microbatch", 8192)),
+            "features": sets.get("data.features", "online")}
+
+
+def _row(name: str, attention: str, r: dict, rate: float) -> str:
+    if "error" in r:
+        return f"| {name} | {attention} | {r['error']} | | | | |"
+    bound_s = r["flops"] / rate
+    return (f"| {name} | {attention} | {r['step_s'] * 1e3:.1f} | {r['positions'] / r['step_s']:,.0f} | "
+            f"{r['peak_bytes'] / 2**30:.2f} | {r['flops'] / 1e12:.3g} T ({bound_s * 1e3:.1f} ms) | "
+            f"{bound_s / r['step_s']:.0%} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, fp32 (what CI runs)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (after 2 warm-up steps)")
+    ap.add_argument("--train-steps", type=int, default=60, help="optimizer steps of the dflash-train train row")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.variant:
+        spec = json.loads(args.variant)
+        print(json.dumps(run_variant(Shape(**spec["shape"]), spec["attention"], spec["checkpointing"], spec["steps"],
+                                     spec["device"])))
+        return
+    import torch
+
+    smoke = args.smoke or not torch.cuda.is_available()
+    if smoke and not args.smoke:
+        print("no CUDA GPU here: running the CPU smoke (--smoke)")
+    device, base = ("cpu", TINY) if smoke else ("cuda", QWEN3_8B)
+    steps = min(args.steps, 2) if smoke else args.steps
+    if smoke:
+        torch.set_num_threads(1)  # as the variants
+    rate = matmul_rate(device, torch.float32 if smoke else torch.bfloat16, 512 if smoke else 8192)
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}; {'fp32' if smoke else 'bf16'} matmul rate {rate / 1e12:.3g} TFLOP/s "
+          f"(the bound); shape: hidden {base.hidden}, vocab {base.vocab}, T={base.tokens}, {base.anchors} anchors, "
+          f"B={base.block}; {steps} timed steps per variant\n")
+    print("| drafter | attention | step ms | positions/s | peak GiB | FLOP (bound) | of bound |")
+    print("|---|---|---|---|---|---|---|")
+    results = {"device": name, "torch": torch.__version__, "matmul_flops_per_s": rate, "steps": []}
+    for layers in (1, 5):
+        shape = replace(base, layers=layers)
+        for attention, checkpointing in VARIANTS:
+            if checkpointing and layers == 1:
+                continue
+            label = attention + (" + checkpointing" if checkpointing else "")
+            if attention == "flex" and device == "cpu":
+                r = {"error": "n/a on CPU (no flex backward)"}
+            else:
+                r = _variant_subprocess(shape, attention, checkpointing, steps, device)
+            results["steps"].append({"layers": layers, "attention": label, **r})
+            print(_row(f"{layers} layer{'s' if layers > 1 else ''}", label, r, rate), flush=True)
+    t = train_throughput(smoke, args.train_steps)
+    results["train"] = t
+    print(f"\n`dflash-train train`, SmolLM2-135M target ({t['features']} features), {t['layers']} draft layer(s), B=16, "
+          f"{t['tokens_per_microbatch']}-token micro-batches, attention auto: {t['tokens_per_s']:,.0f} tokens/s "
+          f"({t['step_s']:.3f} s/step over {t['steps']} steps)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

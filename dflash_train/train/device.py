@@ -1,0 +1,90 @@
+"""What the training step takes from the device it runs on: the attention kernel and LM-head chunk
+for that device, and the error for a micro-batch that does not fit in its memory.
+
+`objective.attention: auto` is compiled flex attention on a CUDA GPU and the exact split
+attention on CPU. Flex attention is only ever run compiled (model/flex.py); torch has no
+flex-attention backward on CPU, so `flex` without CUDA is refused before anything loads.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.errors import ConfigError
+from dflash_train.train.loss import auto_logits_chunk
+from dflash_train.train.recipe import TrainRecipe
+
+ATTENTION_CHOICES = ("auto", "split")  # what to suggest when flex cannot run here
+
+
+@dataclass(frozen=True)
+class StepKernels:
+    attention: str  # split | dense | flex (auto resolved)
+    logits_chunk: int
+
+
+def resolve_attention(choice: str, device: torch.device | str) -> str:
+    cuda = torch.device(device).type == "cuda"
+    if choice == "auto":
+        return "flex" if cuda else "split"
+    if choice == "flex" and not cuda:
+        raise ConfigError(f"objective.attention: flex needs a CUDA GPU (torch has no flex-attention backward on "
+                          f"{torch.device(device).type}); use {' or '.join(ATTENTION_CHOICES)} (split here)")
+    return choice
+
+
+def step_kernels(recipe: TrainRecipe, device: torch.device | str, vocab: int) -> StepKernels:
+    """The recipe's `auto` choices resolved for `device`; `vocab`: rows of the LM head."""
+    o = recipe.objective
+    chunk = auto_logits_chunk(vocab, device) if o.logits_chunk == "auto" else int(o.logits_chunk)
+    return StepKernels(resolve_attention(o.attention, device), chunk)
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def requested_bytes(message: str) -> int | None:
+    """The failed request of a CUDA out-of-memory message ("Tried to allocate 2.50 GiB")."""
+    m = re.search(r"Tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB)", message)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+
+
+def oom_message(recipe: TrainRecipe, device: str, requested: int | None, peak: int | None,
+                total: int | None) -> str:
+    gib = 2**30
+    parts = []
+    if peak is not None and requested is not None:
+        parts.append(f"it needed at least {(peak + requested) / gib:.1f} GiB ({peak / gib:.1f} GiB allocated at the "
+                     f"peak, then {requested / gib:.2f} GiB more)")
+    elif requested is not None:
+        parts.append(f"an allocation of {requested / gib:.2f} GiB failed")
+    if total is not None:
+        parts.append(f"{device} holds {total / gib:.1f} GiB")
+    fix = "lower batch.tokens_per_microbatch (or objective.anchors_per_document)"
+    if not recipe.engine.activation_checkpointing:
+        fix += ", or set engine.activation_checkpointing: true"
+    detail = f" ({'; '.join(parts)})" if parts else ""
+    return (f"batch.tokens_per_microbatch {recipe.batch.tokens_per_microbatch}: a training micro-batch does not fit "
+            f"in the memory of {device}{detail}; {fix}")
+
+
+def oom_error(exc: BaseException, recipe: TrainRecipe, device: torch.device | str) -> ConfigError:
+    device = torch.device(device)
+    peak = total = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+    return ConfigError(oom_message(recipe, str(device), requested_bytes(str(exc)), peak, total))
+
+
+@contextmanager
+def oom_guard(recipe: TrainRecipe, device: torch.device | str):
+    """Turn an out-of-memory error inside the block into a ConfigError naming the micro-batch size."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        raise oom_error(exc, recipe, device) from None

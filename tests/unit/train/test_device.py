@@ -1,0 +1,74 @@
+"""The step's device choices: attention and LM-head chunk resolved per device, flex refused without
+CUDA, and an out-of-memory step reported as a ConfigError naming the micro-batch size and the memory."""
+
+import pytest
+import torch
+
+from dflash_train.errors import ConfigError
+from dflash_train.train.device import (
+    StepKernels,
+    oom_guard,
+    oom_message,
+    requested_bytes,
+    resolve_attention,
+    step_kernels,
+)
+from dflash_train.train.recipe import load_recipe
+
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+            "1.12 GiB is free. Including non-PyTorch memory, this process has 78.06 GiB memory in use.")
+
+
+def _recipe(*overrides):
+    return load_recipe(None, list(overrides), base={"data": {"prepared": "rows"}}).recipe
+
+
+def test_auto_is_flex_on_cuda_and_split_on_cpu():
+    assert resolve_attention("auto", "cuda") == "flex" and resolve_attention("auto", "cpu") == "split"
+    assert [resolve_attention(a, "cpu") for a in ("split", "dense")] == ["split", "dense"]
+    assert resolve_attention("flex", torch.device("cuda", 0)) == "flex"
+    assert _recipe().objective.attention == "auto" and _recipe().objective.logits_chunk == "auto"
+
+
+def test_flex_without_cuda_names_the_field_and_the_choices():
+    with pytest.raises(ConfigError) as err:
+        resolve_attention("flex", "cpu")
+    msg = str(err.value)
+    assert msg.startswith("objective.attention: flex") and "auto" in msg and "split" in msg
+
+
+def test_step_kernels_resolve_auto_for_the_device():
+    assert step_kernels(_recipe(), "cpu", 49152) == StepKernels("split", 1024)
+    assert step_kernels(_recipe(), "cuda", 49152) == StepKernels("flex", 4352)
+    assert step_kernels(_recipe("objective.logits_chunk=300", "objective.attention=dense"), "cuda", 49152) == \
+        StepKernels("dense", 300)
+    with pytest.raises(ConfigError, match="objective.logits_chunk"):
+        _recipe("objective.logits_chunk=0")
+
+
+def test_requested_bytes_reads_the_cuda_message():
+    assert requested_bytes(CUDA_OOM) == int(2.5 * 2**30)
+    assert requested_bytes("Tried to allocate 512.00 MiB") == 512 * 2**20
+    assert requested_bytes("some other failure") is None
+
+
+def test_oom_message_names_the_micro_batch_and_the_memory_it_needed():
+    recipe = _recipe("batch.tokens_per_microbatch=3072")
+    msg = oom_message(recipe, "cuda:0", requested=int(2.5 * 2**30), peak=76 * 2**30, total=int(79.19 * 2**30))
+    assert msg.startswith("batch.tokens_per_microbatch 3072:")
+    assert "needed at least 78.5 GiB" in msg and "cuda:0 holds 79.2 GiB" in msg
+    assert "engine.activation_checkpointing: true" in msg
+    on = oom_message(_recipe("engine.activation_checkpointing=true"), "cuda:0", None, None, None)
+    assert "activation_checkpointing" not in on and "lower batch.tokens_per_microbatch" in on
+
+
+def test_oom_in_a_step_becomes_a_config_error_without_the_cuda_trace():
+    recipe = _recipe("batch.tokens_per_microbatch=8192")
+    with pytest.raises(ConfigError) as err:
+        with oom_guard(recipe, "cpu"):
+            raise torch.OutOfMemoryError(CUDA_OOM)
+    assert "batch.tokens_per_microbatch 8192" in str(err.value) and "2.50 GiB" in str(err.value)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    with pytest.raises(ValueError):  # other errors pass through untouched
+        with oom_guard(recipe, "cpu"):
+            raise ValueError("not memory")

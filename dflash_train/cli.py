@@ -93,7 +93,10 @@ def regenerate(data: Path = typer.Option(..., "--data", help="A prepared dataset
                thinking: Optional[str] = typer.Option(None, "--thinking", help="on|off: the template's "
                                                       "enable_thinking (default: the template's default)."),
                engine: str = typer.Option("hf", "--engine", help="hf (transformers generate), vllm (here or in $DFLASH_VLLM_PYTHON / the `make vllm-venv` venv), or auto (vllm where it runs, else hf)."),
-               batch_size: int = typer.Option(8, "--batch-size", help="Conversations generated together."),
+               batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Conversations taken together "
+                                                        "(default 8 on CPU, 16384 on CUDA, where each turn's prompts "
+                                                        "are sorted by length and cut into groups sized to the free "
+                                                        "GPU memory)."),
                seed: int = typer.Option(0, "--seed", help="Sampling seed.")) -> None:
     """Replace every assistant turn with the target's own answer (resumable)."""
     import json

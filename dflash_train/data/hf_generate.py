@@ -19,19 +19,22 @@ CUDA:
   width + max_new_tokens positions, and a group that is not full is padded to a power of two rows
   (at least 16) by repeating its first prompt (those results are dropped).
 - rows per group, from the model config and the free memory measured after loading the model:
-      rows(width) = floor(SAFETY * free_bytes / (kv_bytes_per_token * (width + max_new_tokens)))
+      rows(width) = floor(SAFETY * free_bytes / bytes_per_row(width))
+      bytes_per_row = kv_bytes_per_token * (width + max_new_tokens)          the static KV cache
+                    + width * (3 * intermediate + 6 * hidden) * dtype bytes   prefill activations of one layer
+                    + width * (width + max_new_tokens) * 2                    the prefill's attention mask
       kv_bytes_per_token = 2 (K and V) * layers * kv_heads * head_dim * dtype bytes
-  capped at MAX_ROWS_CUDA and rounded down to a multiple of 16. SAFETY = 0.5 leaves the other half
-  of the free memory for the prefill's activations (one layer at a time), the attention mask, the
-  last-token logits and the CUDA graph pools. A group that still runs out of memory is split in two
-  and retried, and later groups of that width or wider are capped at the smaller size.
+  capped at MAX_ROWS_CUDA and rounded down to a multiple of 16. SAFETY = 0.6 leaves room for the
+  allocator's fragmentation, the last-token logits and the CUDA graph pools. A group that still runs
+  out of memory is split in two and retried, and later groups of that width or wider are capped at
+  the smaller size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-SAFETY = 0.5
+SAFETY = 0.6
 MAX_ROWS_CPU = 32
 MAX_ROWS_CUDA = 1024
 MIN_ROWS_CUDA = 16
@@ -54,11 +57,19 @@ def ladder_width(n: int) -> int:
     return w
 
 
-def rows_that_fit(free_bytes: int, kv_per_token: int, width: int, max_new_tokens: int,
-                  safety: float = SAFETY, cap: int = MAX_ROWS_CUDA) -> int:
-    """Rows of one group: the KV cache of width + max_new_tokens positions per row within safety * free."""
-    rows = int(safety * free_bytes // (kv_per_token * (width + max_new_tokens)))
-    rows = min(cap, rows)
+def bytes_per_row(config, dtype_bytes: int, width: int, max_new_tokens: int) -> int:
+    """GPU memory one row of a group needs: its static KV cache plus its share of the prefill (see above)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(text.hidden_size)
+    inter = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    length = width + max_new_tokens
+    return (kv_bytes_per_token(config, dtype_bytes) * length + width * (3 * inter + 6 * hidden) * dtype_bytes
+            + width * length * 2)
+
+
+def rows_that_fit(free_bytes: int, row_bytes: int, safety: float = SAFETY, cap: int = MAX_ROWS_CUDA) -> int:
+    """Rows of one group: floor(safety * free / row_bytes), at most `cap`, a multiple of 16 when >= 16, >= 1."""
+    rows = min(cap, int(safety * free_bytes // row_bytes))
     return max(1, rows - rows % MIN_ROWS_CUDA if rows >= MIN_ROWS_CUDA else rows)
 
 
@@ -98,7 +109,7 @@ class HFGenerator:
         self.static = device == "cuda" if static_cache is None else static_cache
         self.compile_config = compile_config
         self.max_rows = MAX_ROWS_CUDA if self.static else MAX_ROWS_CPU
-        self.kv_per_token = kv_bytes_per_token(self.model.config, torch.empty((), dtype=dtype).element_size())
+        self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.free_bytes = torch.cuda.mem_get_info(torch.device(device))[0] if device == "cuda" else None
         self._oom_cap: int | None = None  # rows per group after an out-of-memory error (this width and wider)
         self._oom_width = 0
@@ -111,7 +122,8 @@ class HFGenerator:
     def rows_for(self, width: int) -> int:
         rows = self.max_rows
         if self.free_bytes is not None:
-            rows = rows_that_fit(self.free_bytes, self.kv_per_token, width, self.max_new_tokens, cap=self.max_rows)
+            row = bytes_per_row(self.model.config, self.dtype_bytes, width, self.max_new_tokens)
+            rows = rows_that_fit(self.free_bytes, row, cap=self.max_rows)
         if self._oom_cap is not None and width >= self._oom_width:
             rows = min(rows, self._oom_cap)
         return rows

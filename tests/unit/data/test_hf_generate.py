@@ -39,14 +39,22 @@ def test_ladder_width_has_two_steps_per_octave():
         assert n <= w < max(64, 1.5 * n) + 1
 
 
-def test_rows_that_fit_follows_the_documented_formula():
-    kv = 23040  # SmolLM2 in bf16
-    # 8 GB free, width 256 + 320 new tokens: 0.5 * 8e9 / (23040 * 576) = 301.4 -> 288 (a multiple of 16)
-    assert hg.rows_that_fit(8 * 10**9, kv, 256, 320) == 288
-    assert hg.rows_that_fit(80 * 10**9, kv, 256, 320) == hg.MAX_ROWS_CUDA  # capped
-    assert hg.rows_that_fit(80 * 10**9, kv, 256, 320, cap=100) == 96
-    assert hg.rows_that_fit(10**8, kv, 2048, 320) == 1  # never zero
-    assert hg.rows_that_fit(5 * 10**8, kv, 2048, 320) == 4  # under 16: kept as is
+def test_rows_that_fit_follows_the_documented_formula(smollm2):
+    config = smollm2[0].config  # SmolLM2: KV 23040 bytes/token in bf16, hidden 576, intermediate 1536
+    row = hg.bytes_per_row(config, 2, 256, 320)
+    assert row == 23040 * 576 + 256 * (3 * 1536 + 6 * 576) * 2 + 256 * 576 * 2 == 17_694_720
+    # 8 GB free: 0.6 * 8e9 / 17_694_720 = 271.3 -> 256 (a multiple of 16)
+    assert hg.rows_that_fit(8 * 10**9, row) == 256
+    assert hg.rows_that_fit(80 * 10**9, row) == hg.MAX_ROWS_CUDA  # capped
+    assert hg.rows_that_fit(80 * 10**9, row, cap=100) == 96
+    assert hg.rows_that_fit(10**7, row) == 1  # never zero
+    assert hg.rows_that_fit(10**8, row) == 3  # under 16: kept as is
+    # Qwen3-8B-shaped, 62 GB free after its weights, 512-token prompts, 1024 new tokens: 127.8 -> 112 rows
+    from transformers import Qwen3Config
+
+    qwen = Qwen3Config(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       hidden_size=4096, intermediate_size=12288)
+    assert hg.rows_that_fit(62 * 10**9, hg.bytes_per_row(qwen, 2, 512, 1024)) == 112
 
 
 def test_plan_groups_longest_first_sized_by_width():

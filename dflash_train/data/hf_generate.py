@@ -18,6 +18,13 @@ CUDA:
   up to a ladder of two steps per octave (64, 96, 128, 192, 256, 384, ...), its cache holds
   width + max_new_tokens positions, and a group that is not full is padded to a power of two rows
   (at least 16) by repeating its first prompt (those results are dropped).
+- which widths share a group: every decode step of a static cache reads all its positions, so short
+  prompts in a wide group cost KV reads, while another group costs its own decode steps. The prompts'
+  widths are split into runs (`plan_groups`, exact over the ladder's few widths) minimizing, per step,
+      sum over groups of STEP_BYTES + weight bytes  +  sum over rows of (run width + max_new_tokens) * kv_bytes_per_token
+  STEP_BYTES (4 GB: ~1.2 ms of an H100's bandwidth) stands for a compiled step's fixed cost beyond
+  reading the weights (kernel launches of a ~30-layer model). It is an estimate, not a measurement:
+  calibrate it with bench/bench_gpu_data.py.
 - rows per group, from the model config and the free memory measured after loading the model:
       rows(width) = floor(SAFETY * free_bytes / bytes_per_row(width))
       bytes_per_row = kv_bytes_per_token * (width + max_new_tokens)          the static KV cache
@@ -38,6 +45,7 @@ SAFETY = 0.6
 MAX_ROWS_CPU = 32
 MAX_ROWS_CUDA = 1024
 MIN_ROWS_CUDA = 16
+STEP_BYTES = 4 * 10**9
 
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
@@ -73,18 +81,46 @@ def rows_that_fit(free_bytes: int, row_bytes: int, safety: float = SAFETY, cap: 
     return max(1, rows - rows % MIN_ROWS_CUDA if rows >= MIN_ROWS_CUDA else rows)
 
 
-def plan_groups(lengths: list[int], rows_for: Callable[[int], int], width_of: Callable[[int], int]) -> Iterator[list[int]]:
-    """Groups of prompt indices, longest prompts first; a group's size is `rows_for(width_of(its longest))`.
+def plan_groups(lengths: list[int], rows_for: Callable[[int], int], width_of: Callable[[int], int],
+                group_cost: float = 0.0, position_cost: float = 0.0, max_new_tokens: int = 0) -> list[list[int]]:
+    """Groups of prompt indices, longest prompts first, each of at most `rows_for(width of its longest)`.
 
-    A generator: `rows_for` is asked again for every group, so a cap lowered after an out-of-memory
-    error applies to the groups still to come.
+    Without costs every group is filled in order. With them (static cache), prompts are first split
+    into runs of consecutive widths that minimize groups * group_cost + sum over rows of
+    (run width + max_new_tokens) * position_cost, and groups never cross a run.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    i = 0
-    while i < len(order):
-        n = max(1, rows_for(width_of(lengths[order[i]])))
-        yield order[i: i + n]
-        i += n
+    runs = [order]
+    if position_cost and order:
+        buckets: list[tuple[int, list[int]]] = []  # (width, prompts), widest first
+        for i in order:
+            w = width_of(lengths[i])
+            if buckets and buckets[-1][0] == w:
+                buckets[-1][1].append(i)
+            else:
+                buckets.append((w, [i]))
+        best, cut = [0.0] + [float("inf")] * len(buckets), [0] * (len(buckets) + 1)
+        for j in range(1, len(buckets) + 1):  # best[j]: cheapest plan of buckets[:j]; a run takes its first width
+            n = 0
+            for a in range(j - 1, -1, -1):
+                n += len(buckets[a][1])
+                w = buckets[a][0]
+                cost = best[a] + -(-n // rows_for(w)) * group_cost + n * (w + max_new_tokens) * position_cost
+                if cost < best[j]:
+                    best[j], cut[j] = cost, a
+        runs, j = [], len(buckets)
+        while j:
+            runs.append([i for _, idx in buckets[cut[j]: j] for i in idx])
+            j = cut[j]
+        runs.reverse()
+    groups = []
+    for run in runs:
+        i = 0
+        while i < len(run):
+            n = max(1, rows_for(width_of(lengths[run[i]])))
+            groups.append(run[i: i + n])
+            i += n
+    return groups
 
 
 class HFGenerator:
@@ -135,11 +171,23 @@ class HFGenerator:
             out[i] = r
         return out
 
+    def plan(self, prompts: list[list[int]]) -> list[list[int]]:
+        if not self.static:
+            return plan_groups([len(p) for p in prompts], self.rows_for, self.width_of)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return plan_groups([len(p) for p in prompts], self.rows_for, self.width_of, group_cost=STEP_BYTES + weights,
+                           position_cost=kv_bytes_per_token(self.model.config, self.dtype_bytes),
+                           max_new_tokens=self.max_new_tokens)
+
     def generate_groups(self, prompts: list[list[int]], seed: int = 0) -> Iterator[tuple[int, tuple]]:
-        plan = plan_groups([len(p) for p in prompts], self.rows_for, self.width_of)
-        split: list[list[int]] = []  # halves of a group that ran out of memory, run before the plan goes on
+        todo = self.plan(prompts)[::-1]  # a stack: groups split after an out-of-memory error go back on top
         g = 0
-        while (group := split.pop() if split else next(plan, None)) is not None:
+        while todo:
+            group = todo.pop()
+            cap = self.rows_for(self.width_of(max(len(prompts[i]) for i in group)))
+            if len(group) > cap:  # the cap fell after an out-of-memory error
+                todo += [group[k: k + cap] for k in range(0, len(group), cap)][::-1]
+                continue
             try:
                 results = self._generate([prompts[i] for i in group], seed + g)
             except Exception as exc:
@@ -150,7 +198,7 @@ class HFGenerator:
                 self._oom_cap = half if self._oom_cap is None else min(self._oom_cap, half)
                 w = self.width_of(max(len(prompts[i]) for i in group))
                 self._oom_width = w if self._oom_width == 0 else min(self._oom_width, w)
-                split += [group[half:], group[:half]]
+                todo += [group[half:], group[:half]]
                 continue
             g += 1
             yield from zip(group, results, strict=True)

@@ -82,13 +82,13 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
          + (f" ({vllm_python})" if vllm_python else "") + f", {chunk} conversations at a time")
     if todo:
         if engine == "vllm":
-            args = (target_path, _stop_ids(tokenizer, renderer), max_new_tokens, temperature,
+            args = (target_path, stop_ids(tokenizer, renderer), max_new_tokens, temperature,
                     max_length + max_new_tokens)
             gen = _VLLMGenerator(*args) if vllm_python is None else _VLLMWorker(vllm_python, work, *args)
         else:
             from dflash_train.data.hf_generate import HFGenerator
 
-            gen = HFGenerator(target_path, tokenizer, _stop_ids(tokenizer, renderer), max_new_tokens, temperature)
+            gen = HFGenerator(target_path, tokenizer, stop_ids(tokenizer, renderer), max_new_tokens, temperature)
         try:
             _run(ds, todo, done, gen, renderer, chunk, seed, max_length, work / PROGRESS_FILE)
         finally:
@@ -318,7 +318,8 @@ class _VLLMWorker:
         self.log.close()
 
 
-def _stop_ids(tokenizer, renderer) -> list[int]:
+def stop_ids(tokenizer, renderer) -> list[int]:
+    """Token ids that end an answer: eos and the template's end-of-turn token."""
     ids = []
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))

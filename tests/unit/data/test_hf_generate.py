@@ -59,9 +59,23 @@ def test_rows_that_fit_follows_the_documented_formula(smollm2):
 
 def test_plan_groups_longest_first_sized_by_width():
     lengths = [10, 300, 40, 200, 12, 90, 300]
-    groups = list(hg.plan_groups(lengths, rows_for=lambda w: 2 if w >= 256 else 3, width_of=hg.ladder_width))
+    groups = hg.plan_groups(lengths, rows_for=lambda w: 2 if w >= 256 else 3, width_of=hg.ladder_width)
     assert groups == [[1, 6], [3, 5], [2, 4, 0]]  # 200 pads to 256: two rows; 90 to 96: three
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+
+
+def test_plan_groups_splits_widths_when_kv_reads_cost_more_than_a_group():
+    """2 long prompts among 100 short ones, SmolLM2 in bf16 (23040 KV bytes per position), 320 new tokens:
+    one group reads 102 * 2368 positions per step; two groups read 2 * 2368 + 100 * 384 but pay twice
+    the fixed step cost, so they win when a group costs less than ~4.57 GB of KV reads."""
+    lengths = [2000, 1900] + [30 + i % 20 for i in range(100)]
+    kw = dict(rows_for=lambda w: 1024, width_of=hg.ladder_width, position_cost=23040, max_new_tokens=320)
+    short = sorted(range(2, 102), key=lambda i: -lengths[i])
+    assert hg.plan_groups(lengths, group_cost=4.5e9, **kw) == [[0, 1], short]
+    assert hg.plan_groups(lengths, group_cost=4.7e9, **kw) == [[0, 1] + short]
+    # memory still caps a run's groups
+    kw["rows_for"] = lambda w: 40
+    assert [len(g) for g in hg.plan_groups(lengths, group_cost=4.5e9, **kw)] == [2, 40, 40, 20]
 
 
 @pytest.fixture(scope="module")

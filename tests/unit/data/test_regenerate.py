@@ -83,7 +83,7 @@ def test_hf_generator_splits_large_batches_with_the_same_greedy_answers(smollm2_
     tok = smollm2[1]
     renderer = ChatRenderer(tok, max_length=128)
     prompts = [renderer.prompt_ids(c[:c.index(next(m for m in c if m["role"] == "assistant"))]) for c in CONVS]
-    gen = HFGenerator(str(smollm2_path), tok, regen._stop_ids(tok, renderer), NEW, 0.0)
+    gen = HFGenerator(str(smollm2_path), tok, regen.stop_ids(tok, renderer), NEW, 0.0)
     whole = gen.generate(prompts)
     gen.max_rows = 1
     calls = []

@@ -11,7 +11,8 @@ On the embedded SmolLM2 target and ShareGPT first exchanges, in one run:
 Eval steps/s is not measured here: dflash_train/eval is being changed for GPU decoding (issue 14 item 3).
 
     python bench/bench_gpu_data.py            # on a GPU: 512 rows x 320 new tokens, 1024 feature rows
-    python bench/bench_gpu_data.py --smoke    # the same code on CPU at a tiny size (< 2 min)
+    python bench/bench_gpu_data.py --smoke    # the same code on CPU at a tiny size (< 2 min; the default
+                                              # without a GPU, so `make bench` stays short)
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's; 1 with --smoke, "
                     "as tiny decoding steps run fastest on one thread of a shared machine)")
     args = ap.parse_args()
+    if not args.smoke and args.device is None and not torch.cuda.is_available():
+        print("no CUDA GPU here: running --smoke (pass --device cpu for the full size on CPU, which takes hours)")
+        args.smoke = True
     if args.smoke:
         args.device = args.device or "cpu"
         args.regen_rows, args.max_new_tokens, args.feature_rows, args.max_length, args.repeats = 8, 16, 16, 128, 1

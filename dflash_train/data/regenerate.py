@@ -16,8 +16,9 @@ a pipe. On CPU that is ~3x the rows per second of HF generate for SmolLM2.
 Resumable: each row is appended to `<output>.partial/progress.jsonl` (one JSON line per row) as soon
 as its last turn is generated, and the file is fsynced at least every second and after each chunk;
 a rerun with the same settings skips the rows there, a torn last line is discarded, and the output
-folder appears only when every row is done (temp folder + rename). Greedy rows do not depend on how
-rows were grouped (beyond float rounding), so a resumed greedy run equals an uninterrupted one.
+folder appears only when every row is done (temp folder + rename). Greedy rows depend on how rows
+were grouped only through float rounding (equal in the CPU tests), so a resumed greedy run equals an
+uninterrupted one up to that rounding.
 """
 
 from __future__ import annotations

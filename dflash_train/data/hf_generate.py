@@ -180,6 +180,8 @@ class HFGenerator:
                            max_new_tokens=self.max_new_tokens)
 
     def generate_groups(self, prompts: list[list[int]], seed: int = 0) -> Iterator[tuple[int, tuple]]:
+        import torch
+
         todo = self.plan(prompts)[::-1]  # a stack: groups split after an out-of-memory error go back on top
         g = 0
         while todo:
@@ -190,9 +192,11 @@ class HFGenerator:
                 continue
             try:
                 results = self._generate([prompts[i] for i in group], seed + g)
-            except Exception as exc:
-                if not _is_oom(exc) or len(group) == 1:
+            except torch.OutOfMemoryError:
+                if len(group) == 1:
                     raise
+                results = None  # handled below, once the exception and the tensors its frames hold are gone
+            if results is None:
                 self._release(empty=True)
                 half = (len(group) + 1) // 2
                 self._oom_cap = half if self._oom_cap is None else min(self._oom_cap, half)
@@ -258,8 +262,3 @@ class HFGenerator:
 
             torch.cuda.empty_cache()
 
-
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    return isinstance(exc, torch.OutOfMemoryError)

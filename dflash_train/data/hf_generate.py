@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from dflash_train.errors import DataError
+
 SAFETY = 0.6
 MAX_ROWS_CPU = 32
 MAX_ROWS_CUDA = 1024
@@ -194,7 +196,9 @@ class HFGenerator:
                 results = self._generate([prompts[i] for i in group], seed + g)
             except torch.OutOfMemoryError:
                 if len(group) == 1:
-                    raise
+                    raise DataError(f"regenerate --engine hf: one prompt of {len(prompts[group[0]])} tokens with "
+                                    f"--max-new-tokens {self.max_new_tokens} does not fit in the GPU's memory; lower "
+                                    "--max-new-tokens or the data's max_length, or use --engine vllm") from None
                 results = None  # handled below, once the exception and the tensors its frames hold are gone
             if results is None:
                 self._release(empty=True)

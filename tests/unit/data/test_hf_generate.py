@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash_train.data import hf_generate as hg
+from dflash_train.errors import DataError
 
 NEW = 6
 STOP = [2]
@@ -147,6 +148,13 @@ def test_static_cache_path_equals_plain_generate(smollm2_path, smollm2, prompts,
     monkeypatch.setattr(gen.model, "generate", oom_once)
     assert gen.generate(prompts) == reference
     assert failed and [shape for shape, _ in calls] == [(2, 64)] * 3 and gen.rows_for(64) == 2
+
+    def always_oom(**kw):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(gen.model, "generate", always_oom)
+    with pytest.raises(DataError, match=r"one prompt of \d+ tokens with --max-new-tokens 6 does not fit.*--engine vllm"):
+        gen.generate(prompts[:1])
 
 
 def test_other_errors_are_not_retried(smollm2_path, smollm2, prompts, monkeypatch):

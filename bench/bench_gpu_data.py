@@ -1,12 +1,12 @@
 """Data generation at GPU speed (issue 14): regeneration new tokens/s and feature extraction tokens/s.
 
 On the embedded SmolLM2 target and ShareGPT first exchanges, in one run:
-  1. regeneration, this toolkit's HF path (`HFGenerator` as `regenerate --engine hf` builds it: on CUDA
+  1. regeneration of the first --regen-rows conversations, this toolkit's HF path (`HFGenerator` as `regenerate --engine hf` builds it: on CUDA
      a static KV cache, compiled decode steps, length-sorted groups sized to the free memory): a first
      pass (includes compiling) and a timed second pass over the same conversations;
   2. regeneration, f25d61f's path for comparison: dynamic KV cache, eager, every conversation in one
      `generate` call on CUDA (at most 32 rows per call on CPU), and how many rows both paths agree on;
-  3. `write_feature_cache` vs the plain target forward on the same batches (`measure_features` of
+  3. over every row (--feature-rows), `write_feature_cache` vs the plain target forward on the same batches (`measure_features` of
      bench_features.py): tokens/s, ratio, seconds the forward waited on the writer threads, GB per 1M tokens.
 Eval steps/s is not measured here: dflash_train/eval is being changed for GPU decoding (issue 14 item 3).
 
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_features import measure_features, sync  # noqa: E402 - the sibling bench, shared
 
 
-def measure_regeneration(data: Path, device: str, max_new_tokens: int, today: bool = False) -> dict:
-    """Two passes of `regenerate_batch` (the loop of `regenerate`) over every conversation of `data`."""
+def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int, today: bool = False) -> dict:
+    """Two passes of `regenerate_batch` (the loop of `regenerate`) over the first `rows` conversations of `data`."""
     from dflash_train.data.hf_generate import HFGenerator
     from dflash_train.data.prepare import load_prepared, read_summary
     from dflash_train.data.regenerate import regenerate_batch, stop_ids
@@ -40,7 +40,7 @@ def measure_regeneration(data: Path, device: str, max_new_tokens: int, today: bo
     from dflash_train.features.target import load_tokenizer, resolve_target
 
     max_length = int(read_summary(data)["inputs"]["max_length"])
-    convs = [json.loads(m) for m in load_prepared(data)["messages"]]
+    convs = [json.loads(m) for m in load_prepared(data)["messages"][:rows]]
     tok = load_tokenizer(None)
     renderer = ChatRenderer(tok, max_length=max_length)
     gen = HFGenerator(resolve_target(None), tok, stop_ids(tok, renderer), max_new_tokens, 0.0, device=device,
@@ -80,7 +80,7 @@ def main() -> None:
         args.smoke = True
     if args.smoke:
         args.device = args.device or "cpu"
-        args.regen_rows, args.max_new_tokens, args.feature_rows, args.max_length, args.repeats = 8, 16, 16, 128, 1
+        args.regen_rows, args.max_new_tokens, args.feature_rows, args.max_length, args.repeats = 6, 12, 8, 128, 1
         args.threads = args.threads or 1
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,19 +94,19 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-data-"))
     try:
-        prepare_dataset(None, args.data, work / "regen-data", max_samples=args.regen_rows, max_length=args.max_length,
-                        max_turns=1)
-        prepare_dataset(None, args.data, work / "feature-data", max_samples=args.feature_rows,
-                        max_length=args.max_length)
-        ours = measure_regeneration(work / "regen-data", device, args.max_new_tokens)
-        today = measure_regeneration(work / "regen-data", device, args.max_new_tokens, today=True)
+        # one set of first exchanges (a prepare reads the whole ShareGPT file): the first --regen-rows
+        # conversations are regenerated, every row goes through the target for features
+        prepare_dataset(None, args.data, work / "data", max_samples=max(args.regen_rows, args.feature_rows),
+                        max_length=args.max_length, max_turns=1)
+        ours = measure_regeneration(work / "data", args.regen_rows, device, args.max_new_tokens)
+        today = measure_regeneration(work / "data", args.regen_rows, device, args.max_new_tokens, today=True)
         same = sum(a == b for a, b in zip(ours["messages"], today["messages"], strict=True))
 
         cuda = device == "cuda"
         model, _ = load_target(None, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
         batch_size = None if cuda else 8
         batch_tokens = batch_tokens_that_fit(model.config, 5, torch.cuda.mem_get_info()[0]) if cuda else None
-        f = measure_features(model, work / "feature-data", work, batch_size, 256, args.repeats,
+        f = measure_features(model, work / "data", work, batch_size, 256, args.repeats,
                              batch_tokens=batch_tokens)
         gb = bytes_per_token(5 * model.config.hidden_size) * 1e6 / 1e9
 

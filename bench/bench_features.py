@@ -7,6 +7,7 @@ on the same batches (same rows, order and padding):
 Repeats are interleaved (plain, cache, plain, cache, ...) and the best of each is kept, so a
 busy machine hurts both alike. Prints tokens/s of each, the ratio (target >= 0.85) and the peak
 memory growth of the extraction (it should stay near one batch, not grow with the data).
+`measure_features` is shared with bench_gpu_data.py (which runs it on a GPU).
 
     python bench/bench_features.py [--rows 64] [--max-length 256] [--batch-size 8] [--repeats 3]
 """
@@ -23,6 +24,64 @@ from pathlib import Path
 import torch
 
 
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_features(model, data: Path, work: Path, batch_size: int | None, rows_per_shard: int, repeats: int,
+                     batch_tokens: int | None = None, io_threads: int | None = None) -> dict:
+    """Best-of-`repeats` tokens/s of the plain forward and of `write_feature_cache` on the same batches."""
+    from dflash_train.data.prepare import load_prepared
+    from dflash_train.features.cache import shard_batches, write_feature_cache
+    from dflash_train.features.online import pad_right
+
+    device = next(model.parameters()).device
+    ds = load_prepared(data)
+    rows = [torch.tensor(x, dtype=torch.long) for x in ds["input_ids"]]
+    lengths = [len(r) for r in rows]
+    n_tokens = sum(lengths)
+    batches = []  # exactly the batches the cache writer forms
+    for lo in range(0, len(rows), rows_per_shard):
+        shard = lengths[lo: lo + rows_per_shard]
+        batches += [pad_right([rows[lo + r] for r in idx]) for idx in shard_batches(shard, batch_size, batch_tokens)]
+
+    def plain() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for ids, attn in batches:
+                model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+        sync(device)
+        return time.perf_counter() - t0
+
+    waited = []
+
+    def cache(k: int) -> float:
+        out = work / f"cache-{k}"
+        stats: dict = {}
+        sync(device)
+        t0 = time.perf_counter()
+        write_feature_cache(None, data, out, batch_size=batch_size, rows_per_shard=rows_per_shard, model=model,
+                            batch_tokens=batch_tokens, io_threads=io_threads, stats=stats)
+        dt = time.perf_counter() - t0
+        waited.append(stats["waited_s"])
+        shutil.rmtree(out)
+        return dt
+
+    plain()  # warm-up
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t_plain, t_cache = [], []
+    for k in range(repeats):
+        t_plain.append(plain())
+        t_cache.append(cache(k))
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    best = min(range(repeats), key=lambda k: t_cache[k])
+    return {"rows": len(rows), "tokens": n_tokens, "batches": len(batches), "plain_tok_s": n_tokens / min(t_plain),
+            "cache_tok_s": n_tokens / t_cache[best], "ratio": min(t_plain) / t_cache[best], "t_plain": t_plain,
+            "t_cache": t_cache, "waited_s": waited[best], "rss_growth_mb": (rss1 - rss0) / 1024}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=64)
@@ -33,55 +92,20 @@ def main() -> None:
     ap.add_argument("--data", default="sharegpt")
     args = ap.parse_args()
 
-    from dflash_train.data.prepare import load_prepared, prepare_dataset
-    from dflash_train.features.cache import shard_batches, write_feature_cache
-    from dflash_train.features.online import pad_right
+    from dflash_train.data.prepare import prepare_dataset
     from dflash_train.features.target import load_target
 
     work = Path(tempfile.mkdtemp(prefix="bench-features-"))
     try:
         prepare_dataset(None, args.data, work / "data", max_samples=args.rows, max_length=args.max_length)
-        ds = load_prepared(work / "data")
         model, _ = load_target(None)
-        rows = [torch.tensor(x, dtype=torch.long) for x in ds["input_ids"]]
-        lengths = [len(r) for r in rows]
-        n_tokens = sum(lengths)
-        batches = []  # exactly the batches the cache writer forms
-        for lo in range(0, len(rows), args.rows_per_shard):
-            shard = lengths[lo: lo + args.rows_per_shard]
-            batches += [pad_right([rows[lo + r] for r in idx]) for idx in shard_batches(shard, args.batch_size)]
-
-        def plain() -> float:
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                for ids, attn in batches:
-                    model(input_ids=ids, attention_mask=attn, use_cache=False)
-            return time.perf_counter() - t0
-
-        def cache(k: int) -> float:
-            out = work / f"cache-{k}"
-            t0 = time.perf_counter()
-            write_feature_cache(None, work / "data", out, batch_size=args.batch_size,
-                                rows_per_shard=args.rows_per_shard, model=model)
-            dt = time.perf_counter() - t0
-            shutil.rmtree(out)
-            return dt
-
-        plain()  # warm-up
-        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        t_plain, t_cache = [], []
-        for k in range(args.repeats):
-            t_plain.append(plain())
-            t_cache.append(cache(k))
-        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        tp, tc = n_tokens / min(t_plain), n_tokens / min(t_cache)
-        ratio = tc / tp
-        feat_mb = n_tokens * model.config.hidden_size * 5 * 2 / 2**20
-        print(f"rows {len(rows)}  tokens {n_tokens}  batches {len(batches)}  threads {torch.get_num_threads()}")
-        print(f"plain target forward   {tp:10.1f} tok/s   (runs: {', '.join(f'{t:.2f}s' for t in t_plain)})")
-        print(f"offline extraction     {tc:10.1f} tok/s   (runs: {', '.join(f'{t:.2f}s' for t in t_cache)})")
-        print(f"ratio extraction/plain {ratio:.3f}  (target >= 0.85) -> {'OK' if ratio >= 0.85 else 'BELOW TARGET'}")
-        print(f"peak RSS growth during timed runs {(rss1 - rss0) / 1024:.1f} MiB; "
+        r = measure_features(model, work / "data", work, args.batch_size, args.rows_per_shard, args.repeats)
+        feat_mb = r["tokens"] * model.config.hidden_size * 5 * 2 / 2**20
+        print(f"rows {r['rows']}  tokens {r['tokens']}  batches {r['batches']}  threads {torch.get_num_threads()}")
+        print(f"plain target forward   {r['plain_tok_s']:10.1f} tok/s   (runs: {', '.join(f'{t:.2f}s' for t in r['t_plain'])})")
+        print(f"offline extraction     {r['cache_tok_s']:10.1f} tok/s   (runs: {', '.join(f'{t:.2f}s' for t in r['t_cache'])})")
+        print(f"ratio extraction/plain {r['ratio']:.3f}  (target >= 0.85) -> {'OK' if r['ratio'] >= 0.85 else 'BELOW TARGET'}")
+        print(f"peak RSS growth during timed runs {r['rss_growth_mb']:.1f} MiB; "
               f"all features of the set would be {feat_mb:.1f} MiB in bf16")
     finally:
         shutil.rmtree(work, ignore_errors=True)

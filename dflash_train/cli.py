@@ -97,7 +97,10 @@ def regenerate(data: Path = typer.Option(..., "--data", help="A prepared dataset
                thinking: Optional[str] = typer.Option(None, "--thinking", help="on|off: the template's "
                                                       "enable_thinking (default: the template's default)."),
                engine: str = typer.Option("hf", "--engine", help="hf (transformers generate), vllm (here or in $DFLASH_VLLM_PYTHON / the `make vllm-venv` venv), or auto (vllm where it runs, else hf)."),
-               batch_size: int = typer.Option(8, "--batch-size", help="Conversations generated together."),
+               batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Conversations taken together "
+                                                        "(default 8 on CPU, 16384 on CUDA, where each turn's prompts "
+                                                        "are sorted by length and cut into groups sized to the free "
+                                                        "GPU memory)."),
                seed: int = typer.Option(0, "--seed", help="Sampling seed."),
                overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP)) -> None:
     """Replace every assistant turn with the target's own answer (resumable)."""
@@ -121,21 +124,34 @@ def features(data: Path = typer.Option(..., "--data", help="A prepared dataset f
              target: Optional[str] = typer.Option(None, "--target", help=TARGET_HELP),
              layer_ids: Optional[list[str]] = typer.Option(None, "--layer-ids", help="z-lab target layer ids, "
                                                            "e.g. 1,8,14 or repeated (default: z-lab's choice of 5)."),
-             batch_size: int = typer.Option(8, "--batch-size", help="Rows per target forward."),
+             batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Rows per target forward "
+                                                      "(default 8 on CPU; on CUDA no row limit, see --batch-tokens)."),
+             batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Padded tokens per forward "
+                                                        "(default on CUDA: 65536 or what fits the free memory)."),
+             io_threads: Optional[int] = typer.Option(None, "--io-threads", help="Writer threads (default 1 on "
+                                                      "CPU, 4 on CUDA)."),
              rows_per_shard: int = typer.Option(256, "--rows-per-shard", help="Rows per safetensors shard.")) -> None:
     """Write offline target features (sharded safetensors + manifest)."""
     from dflash_train.errors import ConfigError
-    from dflash_train.features.cache import FeatureCache, write_feature_cache
+    from dflash_train.features.cache import FeatureCache, bytes_per_token, write_feature_cache
 
     try:
         ids = [int(x) for v in layer_ids or [] for x in v.replace(",", " ").split()]
     except ValueError:
         raise ConfigError(f"--layer-ids {layer_ids}: give integers, e.g. --layer-ids 1,8,14,20,27") from None
+    stats: dict = {}
     path = write_feature_cache(target, data, output, target_layer_ids=ids or None, batch_size=batch_size,
-                               rows_per_shard=rows_per_shard)
+                               rows_per_shard=rows_per_shard, batch_tokens=batch_tokens, io_threads=io_threads,
+                               stats=stats)
     m = FeatureCache(path).manifest
+    per_token = bytes_per_token(m["feature_dim"], m["dtype"])
     typer.echo(f"wrote {path}: {m['num_rows']} rows, {m['num_tokens']} tokens, {len(m['shards'])} shards, "
-               f"layers {m['target_layer_ids']}")
+               f"layers {m['target_layer_ids']}; {per_token * 1e6 / 1e9:.2f} GB per 1M tokens "
+               f"({len(m['target_layer_ids'])} layers x {m['hidden_size']} {m['dtype']} + 17 bytes of ids and mask)")
+    if stats.get("tokens"):
+        typer.echo(f"computed {stats['tokens']} tokens in {stats['seconds']:.1f} s "
+                   f"({stats['tokens'] / max(stats['seconds'], 1e-9):.0f} tokens/s); the forward waited "
+                   f"{stats['waited_s']:.1f} s on the writers")
 
 
 @app.command("train")

@@ -1,20 +1,24 @@
 """`dflash-train regenerate`: replace every assistant turn with the target's own answer.
 
 Turn by turn: the k-th assistant turn of a conversation is generated from the conversation so
-far, whose earlier assistant turns are already the target's. Conversations are batched (HF
-`generate` with left padding, or vLLM's offline engine) and the result is re-rendered into a
+far, whose earlier assistant turns are already the target's. Conversations are taken in chunks
+of --batch-size (default 8 on CPU, 16384 on CUDA); each turn's prompts go to the engine together
+(HF `generate` in length-sorted groups, `dflash_train.data.hf_generate`, with a static KV cache and
+a compiled decode step on CUDA; or vLLM's offline engine) and the result is re-rendered into a
 prepared dataset (same format as `prepare`).
 
-vLLM runs in this process when it imports here; otherwise in its own interpreter
-($DFLASH_VLLM_PYTHON, or the CPU build's venv that `make vllm-venv` writes), as a worker
-(`dflash_train.data.vllm_worker`) fed batches of token ids over a pipe. On CPU that is ~3x
-the rows per second of HF generate for SmolLM2 (continuous batching; no padding to the longest
-answer of a batch).
+vLLM is the first choice where it is installed (`serve` extra on GPU; `--engine auto` picks it):
+continuous batching, no padding to the longest answer of a group. It runs in this process when it
+imports here; otherwise in its own interpreter ($DFLASH_VLLM_PYTHON, or the CPU build's venv that
+`make vllm-venv` writes), as a worker (`dflash_train.data.vllm_worker`) fed batches of token ids over
+a pipe. On CPU that is ~3x the rows per second of HF generate for SmolLM2.
 
-Resumable: finished rows are appended to `<output>.partial/progress.jsonl` (one JSON line per
-row, flushed and fsynced per batch); a rerun with the same settings skips them, a torn last
-line is discarded, and the output folder appears only when every row is done (temp folder +
-rename). Batches are fixed by row order, so a resumed greedy run equals an uninterrupted one.
+Resumable: each row is appended to `<output>.partial/progress.jsonl` (one JSON line per row) as soon
+as its last turn is generated, and the file is fsynced at least every second and after each chunk;
+a rerun with the same settings skips the rows there, a torn last line is discarded, and the output
+folder appears only when every row is done (temp folder + rename). Greedy rows depend on how rows
+were grouped only through float rounding (equal in the CPU tests), so a resumed greedy run equals an
+uninterrupted one up to that rounding.
 """
 
 from __future__ import annotations
@@ -30,18 +34,21 @@ from dflash_train.outputs import discard_folder, ensure_folder, plan_output
 ENGINES = ("hf", "vllm", "auto")  # auto: vllm where it can run (here or in its venv), else hf
 PROGRESS_FILE = "progress.jsonl"
 STATE_FILE = "inputs.json"
+CHUNK_CPU = 8  # --batch-size default: conversations taken together on CPU (as before)
+CHUNK_CUDA = 16384  # on CUDA: enough prompts per turn for full memory-sized groups and few shape changes
+SYNC_SECONDS = 1.0
 
 
 def regenerate_dataset(target: str | None, data: str | Path, output: str | Path, max_new_tokens: int = 256,
                        temperature: float = 0.0, thinking: bool | None = None, engine: str = "hf",
-                       batch_size: int = 8, seed: int = 0, overwrite: bool = False) -> dict:
+                       batch_size: int | None = None, seed: int = 0, overwrite: bool = False) -> dict:
     from dflash_train.data.prepare import cached_summary, load_prepared, read_summary, write_prepared
     from dflash_train.data.render import ChatRenderer
     from dflash_train.features.target import load_tokenizer, resolve_target
 
     if engine not in ENGINES:
         raise ConfigError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
-    if max_new_tokens < 1 or batch_size < 1 or temperature < 0:
+    if max_new_tokens < 1 or (batch_size is not None and batch_size < 1) or temperature < 0:
         raise ConfigError("--max-new-tokens and --batch-size must be >= 1 and --temperature >= 0")
     ds = load_prepared(data)
     if "messages" not in ds.column_names:
@@ -77,17 +84,20 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
     tokenizer = load_tokenizer(target_path)
     renderer = ChatRenderer(tokenizer, max_length=max_length, thinking=thinking)
     stats = {"new_tokens": 0, "turns": 0, "turns_hit_max_new_tokens": 0, "turns_cut_by_max_length": 0}
+    chunk = batch_size or _default_chunk()
     _log(f"regenerate: {len(todo)} of {len(ds)} rows to go, engine {engine}"
-         + (f" ({vllm_python})" if vllm_python else ""))
+         + (f" ({vllm_python})" if vllm_python else "") + f", {chunk} conversations at a time")
     if todo:
         if engine == "vllm":
-            args = (target_path, _stop_ids(tokenizer, renderer), max_new_tokens, temperature,
+            args = (target_path, stop_ids(tokenizer, renderer), max_new_tokens, temperature,
                     max_length + max_new_tokens)
             gen = _VLLMGenerator(*args) if vllm_python is None else _VLLMWorker(vllm_python, work, *args)
         else:
-            gen = _HFGenerator(target_path, tokenizer, renderer, max_new_tokens, temperature)
+            from dflash_train.data.hf_generate import HFGenerator
+
+            gen = HFGenerator(target_path, tokenizer, stop_ids(tokenizer, renderer), max_new_tokens, temperature)
         try:
-            _run(ds, todo, done, gen, renderer, batch_size, seed, max_length, work / PROGRESS_FILE, stats)
+            _run(ds, todo, done, gen, renderer, chunk, seed, max_length, work / PROGRESS_FILE)
         finally:
             getattr(gen, "close", lambda: None)()
     conversations = [done[i]["messages"] for i in range(len(ds))]
@@ -104,35 +114,59 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _run(ds, todo, done, gen, renderer, batch_size, seed, max_length, progress_path, stats) -> None:
+def _default_chunk() -> int:
+    import torch
+
+    return CHUNK_CUDA if torch.cuda.is_available() else CHUNK_CPU
+
+
+def _run(ds, todo, done, gen, renderer, chunk, seed, max_length, progress_path) -> None:
     from tqdm import tqdm
 
-    start, tokens = time.perf_counter(), 0
+    start, tokens, synced = time.perf_counter(), 0, time.monotonic()
     bar = tqdm(total=len(ds), initial=len(ds) - len(todo), desc="regenerate", unit="row")
     with open(progress_path, "a", encoding="utf-8") as progress:
-        for b in range(0, len(todo), batch_size):
-            rows = todo[b: b + batch_size]
-            convs = [json.loads(ds[i]["messages"]) for i in rows]
-            results = regenerate_batch(convs, gen, renderer, max_length, seed=seed + rows[0])
-            for i, (msgs, info) in zip(rows, results, strict=True):
-                record = {"index": i, "messages": msgs, **info}
-                done[i] = record
-                progress.write(json.dumps(record, ensure_ascii=False) + "\n")
-                tokens += info["new_tokens"]
+        def finished(i: int, msgs: list[dict], info: dict) -> None:  # a row's last turn is done: write it now
+            nonlocal tokens, synced
+            record = {"index": i, "messages": msgs, **info}
+            done[i] = record
+            progress.write(json.dumps(record, ensure_ascii=False) + "\n")
             progress.flush()
-            os.fsync(progress.fileno())
+            if time.monotonic() - synced >= SYNC_SECONDS:
+                os.fsync(progress.fileno())
+                synced = time.monotonic()
+            tokens += info["new_tokens"]
             elapsed = max(time.perf_counter() - start, 1e-9)
-            bar.update(len(rows))
-            bar.set_postfix(rows_s=f"{(b + len(rows)) / elapsed:.2f}", tok_s=f"{tokens / elapsed:.1f}")
+            bar.update(1)
+            bar.set_postfix(rows_s=f"{(bar.n - bar.initial) / elapsed:.2f}", tok_s=f"{tokens / elapsed:.1f}")
+
+        for b in range(0, len(todo), chunk):
+            rows = todo[b: b + chunk]
+            convs = [json.loads(m) for m in ds.select(rows)["messages"]]
+            regenerate_batch(convs, gen, renderer, max_length, seed=seed + rows[0],
+                             on_done=lambda c, msgs, info, rows=rows: finished(rows[c], msgs, info))
+            os.fsync(progress.fileno())
+            synced = time.monotonic()
     bar.close()
 
 
-def regenerate_batch(convs: list[list[dict]], gen, renderer, max_length: int, seed: int = 0):
-    """[(new messages, info)] for a batch of conversations, turn by turn."""
+def regenerate_batch(convs: list[list[dict]], gen, renderer, max_length: int, seed: int = 0, on_done=None):
+    """[(new messages, info)] for a batch of conversations, turn by turn.
+
+    `on_done(c, messages, info)` is called once per conversation as soon as its last turn is done.
+    """
     convs = [list(c) for c in convs]
     infos = [{"new_tokens": 0, "turns": 0, "turns_hit_max_new_tokens": 0, "turns_cut_by_max_length": 0}
              for _ in convs]
     turn_index = [[j for j, m in enumerate(c) if m["role"] == "assistant"] for c in convs]
+
+    def finish(c: int) -> None:
+        if on_done is not None:
+            on_done(c, convs[c], infos[c])
+
+    for c, turns in enumerate(turn_index):
+        if not turns:
+            finish(c)
     for k in range(max((len(t) for t in turn_index), default=0)):
         jobs, prompts = [], []
         for c, turns in enumerate(turn_index):
@@ -144,16 +178,21 @@ def regenerate_batch(convs: list[list[dict]], gen, renderer, max_length: int, se
                 convs[c] = convs[c][:pos]
                 turn_index[c] = turns[:k]
                 infos[c]["turns_cut_by_max_length"] += 1
+                finish(c)
                 continue
             jobs.append((c, pos))
             prompts.append(prompt)
         if not jobs:
             continue
-        for (c, pos), (text, n_new, hit_max) in zip(jobs, gen.generate(prompts, seed=seed + k), strict=True):
+        groups = gen.generate_groups if hasattr(gen, "generate_groups") else lambda p, s: enumerate(gen.generate(p, s))
+        for j, (text, n_new, hit_max) in groups(prompts, seed + k):
+            c, pos = jobs[j]
             convs[c][pos] = {"role": "assistant", "content": text}
             infos[c]["new_tokens"] += n_new
             infos[c]["turns"] += 1
             infos[c]["turns_hit_max_new_tokens"] += int(hit_max)
+            if k == len(turn_index[c]) - 1:
+                finish(c)
     return list(zip(convs, infos, strict=True))
 
 
@@ -210,61 +249,6 @@ def _vllm_python() -> str | None:
                                  "(`pip install 'dflash-toolkit[serve]'`, GPU), or on CPU build it with "
                                  f"`make vllm-venv` ({DEFAULT_VLLM_VENV}) or point DFLASH_VLLM_PYTHON at a "
                                  "Python that has it; or use --engine hf")
-
-
-class _HFGenerator:
-    """Batched HF generate with left padding; greedy at temperature 0.
-
-    Every row of a generate call runs until the longest answer ends, so on CPU a call takes at
-    most `max_rows` rows (measured with SmolLM2 on 2 cores: 32 rows give 72 tokens/s, 96 rows 45);
-    a larger --batch-size is split into such calls.
-    """
-
-    max_rows_cpu = 32
-
-    def __init__(self, target_path, tokenizer, renderer, max_new_tokens, temperature):
-        import torch
-
-        from dflash_train.features.target import load_target
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        self.model, _ = load_target(target_path, dtype=dtype, device=device)
-        self.device, self.tokenizer = device, tokenizer
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.stop_ids = _stop_ids(tokenizer, renderer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.max_rows = None if device == "cuda" else self.max_rows_cpu
-
-    def generate(self, prompts: list[list[int]], seed: int = 0):
-        step = self.max_rows or len(prompts)
-        return [r for i in range(0, len(prompts), step) for r in self._generate(prompts[i:i + step], seed + i)]
-
-    def _generate(self, prompts: list[list[int]], seed: int):
-        import torch
-
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
-        torch.manual_seed(seed)
-        sample = self.temperature > 0
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=self.max_new_tokens, do_sample=sample,
-                                  temperature=self.temperature if sample else None, top_p=None, top_k=None,
-                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
-        results = []
-        for row in out[:, width:].tolist():
-            new = []
-            for t in row:
-                if t in self.stop_ids:
-                    break
-                new.append(t)
-            hit_max = len(new) >= self.max_new_tokens
-            results.append((self.tokenizer.decode(new, skip_special_tokens=True).strip(), len(new), hit_max))
-        return results
 
 
 class _VLLMGenerator:
@@ -341,7 +325,8 @@ class _VLLMWorker:
         self.log.close()
 
 
-def _stop_ids(tokenizer, renderer) -> list[int]:
+def stop_ids(tokenizer, renderer) -> list[int]:
+    """Token ids that end an answer: eos and the template's end-of-turn token."""
     ids = []
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))

@@ -9,11 +9,17 @@ Layout of a cache folder:
   prepared data's path and fingerprint, and one entry per finished shard (rows, tokens, bytes,
   sha256), plus `complete`.
 
-Writing keeps memory to one batch: a shard's layout is known before the forward passes (row
-lengths come from the prepared data), so the header is written first and each batch's rows are
-written at their offsets. A shard is written under a temp name and renamed when whole; the
-manifest is rewritten atomically after each shard. A rerun with the same inputs after a crash
-or SIGKILL keeps the finished shards (checksums verified) and computes the rest.
+Writing: a shard's layout is known before the forward passes (row lengths come from the prepared
+data), so its header is written first and each batch's rows are written at their offsets. Rows are
+batched longest first within a shard: at most --batch-size rows (default 8 on CPU, no row limit on
+CUDA) and, on CUDA, at most `batch_tokens` padded tokens (default: `batch_tokens_that_fit`). Writer
+threads (`cache_writer.py`) write the batches while the next forward runs, behind a bounded queue.
+A shard is written under a temp name and renamed when whole; the manifest is rewritten atomically
+after each shard. A rerun with the same inputs after a crash or SIGKILL keeps the finished shards
+(checksums verified) and computes the rest.
+
+Size on disk per token: feature_dim * dtype bytes + 17 (input id, greedy next id, mask byte), e.g.
+5.78 GB per 1M tokens for SmolLM2-135M (5 layers x 576, bf16) and 40.98 GB for Qwen3-8B (5 x 4096).
 
 Reading validates each shard when first opened (size and checksum-free header checks: shapes,
 dtype, offsets) and each row when read (ids and mask equal the prepared data when it is
@@ -25,21 +31,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from pathlib import Path
 
 import torch
 
 from dflash_train.data.packing import Document
 from dflash_train.errors import DataError
+from dflash_train.features.cache_writer import DTYPES as _DTYPES
+from dflash_train.features.cache_writer import FORMAT, BackgroundWriter, ShardWriter, to_host
 from dflash_train.outputs import check_writable, ensure_folder, plan_output
 
 MANIFEST_FILE = "manifest.json"
-FORMAT = "dflash-feature-cache"
-_DTYPES = {"bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16"),
-           "float32": (torch.float32, "F32")}
+BATCH_TOKENS_CUDA = 65536  # more tokens per forward gain little on one GPU; the queue holds a few batches
+IO_THREADS_CUDA = 4
+SAFETY = 0.6
 _INPUT_KEYS = ("target_revision", "target_layer_ids", "dtype", "rows_per_shard", "data_fingerprint", "num_rows")
 
 
@@ -82,59 +89,33 @@ def _write_json(path: Path, obj: dict) -> None:
 
 # ---- writing --------------------------------------------------------------------------
 
-class _ShardWriter:
-    """One safetensors file whose layout is fixed up front; rows are written at their offsets."""
+def bytes_per_token(feature_dim: int, dtype: str = "bfloat16") -> int:
+    """Bytes a cache takes per token: features, plus input id and greedy next id (int64) and mask (uint8)."""
+    return feature_dim * torch.empty((), dtype=_DTYPES[dtype][0]).element_size() + 17
 
-    def __init__(self, path: Path, lengths: list[int], row_index: list[int], feature_dim: int, dtype: str):
-        self.path, self.feature_dim = path, feature_dim
-        self.torch_dtype, st_dtype = _DTYPES[dtype]
-        self.item = torch.empty((), dtype=self.torch_dtype).element_size()
-        n, r = sum(lengths), len(lengths)
-        self.tok_off = [0]
-        for length in lengths:
-            self.tok_off.append(self.tok_off[-1] + length)
-        specs = [("features", st_dtype, [n, feature_dim], n * feature_dim * self.item),
-                 ("input_ids", "I64", [n], 8 * n), ("loss_mask", "U8", [n], n),
-                 ("greedy_next", "I64", [n], 8 * n), ("row_offsets", "I64", [r + 1], 8 * (r + 1)),
-                 ("row_index", "I64", [r], 8 * r)]
-        header, pos = {"__metadata__": {"format": FORMAT}}, 0
-        self.base = {}
-        for name, st, shape, nbytes in specs:
-            header[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
-            self.base[name] = pos
-            pos += nbytes
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self.data_start = 8 + len(blob)
-        self.f = open(path, "wb")
-        self.f.write(struct.pack("<Q", len(blob)) + blob)
-        self.f.truncate(self.data_start + pos)
-        self._put("row_offsets", 0, torch.tensor(self.tok_off, dtype=torch.int64))
-        self._put("row_index", 0, torch.tensor(row_index, dtype=torch.int64))
 
-    def _put(self, name: str, byte_off: int, t: torch.Tensor) -> None:
-        self.f.seek(self.data_start + self.base[name] + byte_off)
-        self.f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-
-    def put_row(self, r: int, ids: torch.Tensor, mask: torch.Tensor, feats: torch.Tensor, greedy: torch.Tensor):
-        t0 = self.tok_off[r]
-        self._put("features", t0 * self.feature_dim * self.item, feats.to(self.torch_dtype).cpu())
-        self._put("input_ids", t0 * 8, ids.to(torch.int64))
-        self._put("loss_mask", t0, mask.to(torch.uint8))
-        self._put("greedy_next", t0 * 8, greedy.to(torch.int64).cpu())
-
-    def close(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
+def batch_tokens_that_fit(config, n_features: int, free_bytes: int, dtype_bytes: int = 2) -> int:
+    """Padded tokens per forward on a GPU: SAFETY * free memory over the bytes one token needs there
+    (one layer's activations 3 * intermediate + 6 * hidden, the captured layers three times: outputs,
+    concatenation, stored copy, and one row of LM-head logits), at most BATCH_TOKENS_CUDA."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(text.hidden_size)
+    inter = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    per_token = (3 * inter + 6 * hidden + 3 * n_features * hidden + int(text.vocab_size)) * dtype_bytes
+    return max(1, min(BATCH_TOKENS_CUDA, int(SAFETY * free_bytes // per_token)))
 
 
 def write_feature_cache(target: str | None, data: str | Path, output: str | Path,
-                        target_layer_ids: list[int] | None = None, batch_size: int = 8,
-                        rows_per_shard: int = 256, dtype: str = "bfloat16", model=None) -> Path:
+                        target_layer_ids: list[int] | None = None, batch_size: int | None = None,
+                        rows_per_shard: int = 256, dtype: str = "bfloat16", model=None,
+                        batch_tokens: int | None = None, io_threads: int | None = None,
+                        stats: dict | None = None) -> Path:
     """Compute and store target features for every row of a prepared dataset (resumable).
 
     `model`: an already loaded target (benchmarks, tests); by default it is loaded from `target`.
+    `batch_size` rows / `batch_tokens` padded tokens per forward and `io_threads` writer threads
+    default to 8 / unlimited / 1 on CPU and unlimited / `batch_tokens_that_fit` / 4 on CUDA.
+    `stats`, when given, receives the tokens computed, seconds, and seconds the forward waited on the writers.
     """
     from tqdm import tqdm
 
@@ -146,8 +127,8 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
 
     if dtype not in _DTYPES:
         raise DataError(f"dtype {dtype!r}: choose one of {sorted(_DTYPES)}")
-    if batch_size < 1 or rows_per_shard < 1:
-        raise DataError("--batch-size and --rows-per-shard must be >= 1")
+    if any(v is not None and v < 1 for v in (batch_size, batch_tokens, io_threads)) or rows_per_shard < 1:
+        raise DataError("--batch-size, --batch-tokens, --io-threads and --rows-per-shard must be >= 1")
     out = Path(output)
     # a folder with a manifest is this command's own (resumed, or refused below when its inputs differ);
     # one that says it is complete may be read-only: the write check waits until work is left
@@ -164,6 +145,12 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     layer_ids = [int(t) for t in (target_layer_ids or default_target_layer_ids(n_layers, 5))]
     check_target_layer_ids(layer_ids, n_layers, "--layer-ids")
     hidden = int(model.config.get_text_config().hidden_size)
+    cuda = device.type == "cuda"
+    if cuda and batch_tokens is None:
+        batch_tokens = batch_tokens_that_fit(model.config, len(layer_ids), torch.cuda.mem_get_info(device)[0],
+                                             next(model.parameters()).element_size())
+    if not cuda and batch_size is None:
+        batch_size = 8
     lengths_all = [len(x) for x in ds["input_ids"]]
     manifest = {
         "format": FORMAT, "version": 1, "complete": False,
@@ -186,30 +173,33 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     n_shards = (len(ds) + rows_per_shard - 1) // rows_per_shard
     bar = tqdm(total=manifest["num_tokens"], desc="features", unit="tok", unit_scale=True,
                initial=sum(s["tokens"] for s in manifest["shards"]))
-    # one background thread writes rows, finishes shards and updates the manifest, in order,
-    # while the next batch runs; at most two batches wait for it (memory stays ~one batch)
-    pool, pending = ThreadPoolExecutor(max_workers=1), deque()
+    threads = io_threads or (IO_THREADS_CUDA if cuda else 1)
+    pool = BackgroundWriter(threads=threads, max_pending=threads + 1)
+    manifest_lock = threading.Lock()
+    copy_stream = torch.cuda.Stream(device) if cuda else None
+    storage = _DTYPES[dtype][0]
 
-    def submit(fn, *a) -> None:
-        pending.append(pool.submit(fn, *a))
-        while len(pending) > 2:
-            pending.popleft().result()
-
-    def put_rows(writer, idx, ids_l, masks, feats, greedy, lengths):
-        feats, greedy = feats.cpu(), greedy.cpu()
+    def write_batch(shard, idx, ids_l, masks, host, event, lengths, name, lo, hi):  # in a writer thread
+        if event is not None:
+            event.synchronize()
+        feats, greedy = host
         for j, r in enumerate(idx):
             n = lengths[r]
-            writer.put_row(r, ids_l[j], masks[j], feats[j, :n], greedy[j, :n])
+            shard.put_row(r, ids_l[j], masks[j], feats[j, :n], greedy[j, :n])
+        if shard.done_one():
+            finish(shard, name, lo, hi)
 
-    def finish(writer, tmp, name, lo, hi, tokens):
-        writer.close()
-        os.replace(tmp, out / name)
-        manifest["shards"].append({"file": name, "rows": [lo, hi], "tokens": tokens,
-                                   "bytes": (out / name).stat().st_size, "sha256": sha256_file(out / name)})
-        manifest["complete"] = len(manifest["shards"]) == n_shards
-        _write_json(out / MANIFEST_FILE, manifest)
+    def finish(shard, name, lo, hi):  # in a writer thread, once per shard
+        shard.close()
+        os.replace(shard.path, out / name)
+        entry = {"file": name, "rows": [lo, hi], "tokens": shard.tokens, "bytes": (out / name).stat().st_size,
+                 "sha256": sha256_file(out / name)}
+        with manifest_lock:
+            manifest["shards"] = sorted(manifest["shards"] + [entry], key=lambda s: s["file"])
+            manifest["complete"] = len(manifest["shards"]) == n_shards
+            _write_json(out / MANIFEST_FILE, manifest)
 
-    writer = None
+    shards, computed, start = [], 0, time.perf_counter()
     try:
         for k in range(n_shards):
             name = shard_name(k)
@@ -218,33 +208,46 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
             lo, hi = k * rows_per_shard, min(len(ds), (k + 1) * rows_per_shard)
             rows = ds.select(range(lo, hi))
             lengths = lengths_all[lo:hi]
-            tmp = out / f".{name}.tmp"
-            writer = _ShardWriter(tmp, lengths, list(range(lo, hi)), manifest["feature_dim"], dtype)
-            for idx in shard_batches(lengths, batch_size):
+            shard = ShardWriter(out / f".{name}.tmp", lengths, list(range(lo, hi)), manifest["feature_dim"], dtype)
+            shards.append(shard)
+            for idx in shard_batches(lengths, batch_size, batch_tokens):
                 ids_l = [torch.tensor(rows[r]["input_ids"], dtype=torch.long) for r in idx]
                 masks = [torch.tensor(rows[r]["loss_mask"], dtype=torch.uint8) for r in idx]
                 ids, attn = pad_right(ids_l)
                 feats, greedy = target_forward(model, layer_ids, ids.to(device), attn.to(device))
-                submit(put_rows, writer, idx, ids_l, masks, feats, greedy, lengths)
+                host, event = to_host([feats.to(storage) if cuda else feats, greedy], copy_stream)
+                shard.add_pending()
+                pool.submit(write_batch, shard, idx, ids_l, masks, host, event, lengths, name, lo, hi)
                 bar.update(sum(lengths[r] for r in idx))
-            submit(finish, writer, tmp, name, lo, hi, sum(lengths))
-            writer = None
-        while pending:
-            pending.popleft().result()
+                computed += sum(lengths[r] for r in idx)
+            if shard.seal():
+                pool.submit(finish, shard, name, lo, hi)
+        pool.close()
+    except BaseException:
+        pool.abort()
+        raise
     finally:
-        for f in pending:
-            f.cancel()
-        pool.shutdown(wait=True)
-        if writer is not None and not writer.f.closed:
-            writer.f.close()
-    bar.close()
+        for shard in shards:
+            shard.abandon()  # only those a failure left open
+        bar.close()
+    if stats is not None:
+        stats.update(tokens=computed, seconds=time.perf_counter() - start, waited_s=pool.waited_s)
     return out
 
 
-def shard_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Batches of a shard's rows, longest first so each batch pads little."""
+def shard_batches(lengths: list[int], batch_size: int | None, max_tokens: int | None = None) -> list[list[int]]:
+    """Batches of a shard's rows, longest first so each batch pads little: at most `batch_size` rows
+    and at most `max_tokens` padded tokens (rows x the first row's length) where given."""
     order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
-    return [order[b: b + batch_size] for b in range(0, len(order), batch_size)]
+    batches: list[list[int]] = []
+    for r in order:
+        cur = batches[-1] if batches else None
+        if (cur is None or (batch_size is not None and len(cur) >= batch_size)
+                or (max_tokens is not None and (len(cur) + 1) * lengths[cur[0]] > max_tokens)):
+            batches.append([r])
+        else:
+            cur.append(r)
+    return batches
 
 
 def _resumable_shards(out: Path, manifest: dict) -> list[dict]:

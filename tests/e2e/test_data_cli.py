@@ -34,6 +34,8 @@ def test_prepare_then_features_then_errors(tmp_path):
             "--layer-ids", "2,9", "--rows-per-shard", "3", "--batch-size", "2")
     assert r.returncode == 0, r.stderr
     assert "4 rows" in r.stdout and "2 shards" in r.stdout
+    # 2 layers x 576 bf16 + 17 bytes = 2321 bytes per token
+    assert "2.32 GB per 1M tokens (2 layers x 576 bfloat16" in r.stdout and "tokens/s" in r.stdout
     m = json.loads((tmp_path / "f" / "manifest.json").read_text())
     assert m["complete"] and m["target_layer_ids"] == [2, 9] and m["feature_dim"] == 2 * 576
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def prepared(tmp_path, smollm2):
                           max_length=128) and tmp_path / "in"
 
 
-def test_regenerate_greedy_turn_by_turn_and_resume(tmp_path, prepared, smollm2, monkeypatch):
+def test_regenerate_greedy_turn_by_turn_and_resume(tmp_path, prepared, smollm2, monkeypatch, one_thread):
     model, tok = smollm2
     # a crash after the first batch leaves a progress file and no output
     calls = {"n": 0}
@@ -46,7 +47,8 @@ def test_regenerate_greedy_turn_by_turn_and_resume(tmp_path, prepared, smollm2, 
         regen.regenerate_dataset(None, prepared, out, max_new_tokens=NEW, batch_size=2)
     progress = out.with_name("out.partial") / regen.PROGRESS_FILE
     assert not out.exists()
-    assert [json.loads(line)["index"] for line in progress.read_text().splitlines()] == [0, 1]
+    # rows are written as they finish: row 1 (one turn) before row 0 (two turns)
+    assert [json.loads(line)["index"] for line in progress.read_text().splitlines()] == [1, 0]
     with open(progress, "a") as f:
         f.write('{"index": 2, "messages": [')  # a write torn by a kill
     monkeypatch.setattr(regen, "regenerate_batch", real)
@@ -74,13 +76,14 @@ def test_regenerate_greedy_turn_by_turn_and_resume(tmp_path, prepared, smollm2, 
     assert regen.regenerate_dataset(None, prepared, out, max_new_tokens=NEW, batch_size=2).get("cached")
 
 
-def test_hf_generator_splits_large_batches_with_the_same_greedy_answers(smollm2_path, smollm2):
+def test_hf_generator_splits_large_batches_with_the_same_greedy_answers(smollm2_path, smollm2, one_thread):
+    from dflash_train.data.hf_generate import HFGenerator
     from dflash_train.data.render import ChatRenderer
 
     tok = smollm2[1]
     renderer = ChatRenderer(tok, max_length=128)
     prompts = [renderer.prompt_ids(c[:c.index(next(m for m in c if m["role"] == "assistant"))]) for c in CONVS]
-    gen = regen._HFGenerator(str(smollm2_path), tok, renderer, NEW, 0.0)
+    gen = HFGenerator(str(smollm2_path), tok, regen.stop_ids(tok, renderer), NEW, 0.0)
     whole = gen.generate(prompts)
     gen.max_rows = 1
     calls = []
@@ -88,6 +91,59 @@ def test_hf_generator_splits_large_batches_with_the_same_greedy_answers(smollm2_
     gen._generate = lambda p, s: calls.append(len(p)) or real(p, s)
     assert gen.generate(prompts) == whole and calls == [1, 1, 1]
     assert all(n == NEW or not hit for _, n, hit in whole) and any(text for text, _, _ in whole)
+
+
+GOLDEN = Path(__file__).resolve().parents[2] / "assets" / "regenerate_greedy_rows.json"
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory, smollm2_path):
+    """Rows the regenerate code of f25d61f wrote for these conversations (HF generate, CPU, float32)."""
+    from dflash_train.features.target import load_tokenizer
+
+    g = json.loads(GOLDEN.read_text())
+    folder = tmp_path_factory.mktemp("golden") / "in"
+    write_prepared(g["conversations"], load_tokenizer(str(smollm2_path)), folder,
+                   {"command": "prepare", "max_length": g["max_length"]}, max_length=g["max_length"])
+    return g, folder
+
+
+def test_greedy_rows_equal_the_rows_before_gpu_batching(tmp_path, golden, monkeypatch, one_thread):
+    """Today's CPU path, and the CUDA path (static cache, ladder widths, padded groups) run on CPU
+    and killed mid-chunk then resumed, write the rows the code before them wrote."""
+    from dflash_train.data import hf_generate
+
+    g, data = golden
+    cpu = regen.regenerate_dataset(None, data, tmp_path / "cpu", max_new_tokens=g["max_new_tokens"], batch_size=3)
+    assert [json.loads(m) for m in load_prepared(tmp_path / "cpu")["messages"]] == g["rows"]
+    assert cpu["regeneration"] == g["regeneration"] and g["regeneration"]["turns_cut_by_max_length"] == 1
+
+    groups = []
+
+    class CudaPath(hf_generate.HFGenerator):
+        def __init__(self, *a, **k):
+            super().__init__(*a, static_cache=True, **k)
+            self.max_rows = 4  # groups of 4 rows, the last one padded with repeats
+
+        def _generate(self, prompts, seed):
+            groups.append(len(prompts))
+            if len(groups) == 3 and self.crash:
+                raise KeyboardInterrupt  # killed at the chunk's second turn
+            return super()._generate(prompts, seed)
+
+    CudaPath.crash = True
+    monkeypatch.setattr(hf_generate, "HFGenerator", CudaPath)
+    out = tmp_path / "cuda-path"
+    with pytest.raises(KeyboardInterrupt):
+        regen.regenerate_dataset(None, data, out, max_new_tokens=g["max_new_tokens"], batch_size=7)
+    written = [json.loads(line)["index"] for line in (out.with_name("cuda-path.partial") / regen.PROGRESS_FILE)
+               .read_text().splitlines()]
+    # first turn: 7 prompts in groups of 4 and 3 (padded to 4); its single-turn rows are on disk already
+    assert groups == [4, 3, 3] and sorted(written) == [1, 2, 3, 5]
+    CudaPath.crash = False
+    summary = regen.regenerate_dataset(None, data, out, max_new_tokens=g["max_new_tokens"], batch_size=7)
+    assert [json.loads(m) for m in load_prepared(out)["messages"]] == g["rows"]
+    assert summary["regeneration"] == g["regeneration"]
 
 
 def test_resume_with_other_settings_is_refused(tmp_path, prepared):

@@ -15,7 +15,14 @@ import torch
 from dflash_train.data.packing import pack_documents
 from dflash_train.data.prepare import load_prepared, write_prepared
 from dflash_train.errors import DataError
-from dflash_train.features.cache import MANIFEST_FILE, FeatureCache, shard_batches, write_feature_cache
+from dflash_train.features.cache import (
+    MANIFEST_FILE,
+    FeatureCache,
+    batch_tokens_that_fit,
+    bytes_per_token,
+    shard_batches,
+    write_feature_cache,
+)
 from dflash_train.features.online import OnlineFeatures
 
 LAYERS = [1, 8, 14, 20, 27]
@@ -103,6 +110,90 @@ def test_truncated_shard_is_reported(cache, tmp_path):
     fc.document(0)  # the other shard is fine
     with pytest.raises(DataError, match="shard-00001.safetensors: shard is truncated"):
         fc.document(5)
+
+
+def test_shard_batches_by_rows_and_padded_tokens():
+    lengths = [10, 40, 25, 40, 5, 30]
+    assert shard_batches(lengths, 2) == [[1, 3], [5, 2], [0, 4]]  # longest first, as before
+    # at most 80 padded tokens: 40+40, then 30 pads 25 to 60 and a third row would be 90
+    assert shard_batches(lengths, None, 80) == [[1, 3], [5, 2], [0, 4]]
+    assert shard_batches(lengths, None, 100) == [[1, 3], [5, 2, 0], [4]]
+    assert shard_batches(lengths, 2, 1000) == shard_batches(lengths, 2)
+    assert shard_batches(lengths, None, 1) == [[1], [3], [5], [2], [0], [4]]  # a long row still gets a batch
+
+
+def test_size_per_token_and_gpu_batch_budget(cache, smollm2):
+    m = json.loads((cache / MANIFEST_FILE).read_text())
+    per_token = bytes_per_token(m["feature_dim"], m["dtype"])
+    assert per_token == 5 * 576 * 2 + 17 == 5777  # 5.78 GB per 1M tokens
+    overhead = sum(s["bytes"] for s in m["shards"]) - per_token * m["num_tokens"]
+    assert 0 < overhead < 2048 * len(m["shards"])  # the rest is headers and row offsets
+    assert bytes_per_token(1024, "float32") == 4113
+    # SmolLM2: (3*1536 + 6*576 + 3*5*576 + 49152) * 2 = 131712 bytes per token on the GPU
+    assert batch_tokens_that_fit(smollm2[0].config, 5, 10**9) == int(0.6 * 10**9 // 131712) == 4555
+    assert batch_tokens_that_fit(smollm2[0].config, 5, 70 * 10**9) == 65536
+
+
+def test_four_writer_threads_write_the_same_shards(cache, prepared, smollm2, tmp_path):
+    out = write_feature_cache(None, prepared, tmp_path / "threads", batch_size=3, rows_per_shard=4,
+                              model=smollm2[0], io_threads=4)
+    a, b = json.loads((cache / MANIFEST_FILE).read_text()), json.loads((out / MANIFEST_FILE).read_text())
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]] and b["complete"]
+
+
+def test_token_budget_batches_give_the_same_rows(cache, prepared, smollm2, tmp_path):
+    out = write_feature_cache(None, prepared, tmp_path / "tokens", batch_tokens=40, rows_per_shard=4,
+                              model=smollm2[0], io_threads=2)
+    ref, got = FeatureCache(cache), FeatureCache(out)
+    for i in range(len(ref)):
+        a, b = ref.document(i), got.document(i)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.greedy_next, b.greedy_next)
+        torch.testing.assert_close(a.features.float(), b.features.float(), rtol=2 ** -7, atol=1e-5)
+
+
+def test_writer_error_surfaces_and_the_rerun_resumes(cache, prepared, smollm2, tmp_path, monkeypatch):
+    """A disk error in a writer thread stops the run with a one-line DataError; finished shards stay,
+    the unfinished one is left as a temp file, and the rerun writes what the uninterrupted run wrote."""
+    import errno
+
+    from dflash_train.features import cache_writer
+
+    real, calls = cache_writer.ShardWriter.put_row, []
+
+    def failing(self, *a):
+        calls.append(1)
+        if len(calls) == 5:  # the first row of the second shard
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real(self, *a)
+
+    monkeypatch.setattr(cache_writer.ShardWriter, "put_row", failing)
+    out = tmp_path / "failing"
+    with pytest.raises(DataError, match=r"\.shard-00001\.safetensors\.tmp: writing the feature cache failed"):
+        write_feature_cache(None, prepared, out, batch_size=3, rows_per_shard=4, model=smollm2[0])
+    m = json.loads((out / MANIFEST_FILE).read_text())
+    assert [s["file"] for s in m["shards"]] == ["shard-00000.safetensors"] and not m["complete"]
+    assert (out / ".shard-00001.safetensors.tmp").is_file()
+    monkeypatch.setattr(cache_writer.ShardWriter, "put_row", real)
+    write_feature_cache(None, prepared, out, batch_size=3, rows_per_shard=4, model=smollm2[0])
+    a, b = json.loads((cache / MANIFEST_FILE).read_text()), json.loads((out / MANIFEST_FILE).read_text())
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]] and b["complete"]
+    assert not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.gpu
+def test_cuda_cache_matches_the_cpu_cache(cache, prepared, tmp_path):
+    """On a GPU: bf16 target, token batches, side-stream copies, 4 writers; same ids, close features."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = write_feature_cache(None, prepared, tmp_path / "cuda", rows_per_shard=4)
+    ref, got = FeatureCache(cache), FeatureCache(out)
+    agree = 0
+    for i in range(len(ref)):
+        a, b = ref.document(i), got.document(i)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        torch.testing.assert_close(a.features.float(), b.features.float(), rtol=0.1, atol=0.1)
+        agree += int((a.greedy_next == b.greedy_next).float().mean() > 0.9)
+    assert agree >= len(ref) - 1  # bf16 vs fp32 target: greedy tokens may differ at near-ties
 
 
 WRITER = """

@@ -32,17 +32,22 @@ class MicroBatch:
 
 def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, anchors_per_document: int,
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
-                     target_logits: list[torch.Tensor] | None = None) -> MicroBatch:
+                     target_logits: list[torch.Tensor] | None = None,
+                     anchors: list[torch.Tensor] | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     target_logits: per document [T_i, V] target logits, needed for the kl loss.
+    anchors: per document, sorted in-document positions to place blocks at instead of sampling
+    them (eval places them where decode steps began); labels follow the same rules either way.
     """
     packed = pack_documents(docs)
     starts = [0]
     for d in docs[:-1]:
         starts.append(starts[-1] + len(d))
-    per_doc = [sample_anchors(d.loss_mask, anchors_per_document, anchor_generator(seed, epoch, row)) + s
-               for d, row, s in zip(docs, rows, starts, strict=False)]
+    if anchors is None:
+        anchors = [sample_anchors(d.loss_mask, anchors_per_document, anchor_generator(seed, epoch, row))
+                   for d, row in zip(docs, rows, strict=False)]
+    per_doc = [a.long() + s for a, s in zip(anchors, starts, strict=True)]
     anchors = torch.cat(per_doc) if per_doc else torch.zeros(0, dtype=torch.long)
     lab, src = block_labels(anchors, packed.input_ids, packed.loss_mask, packed.greedy_next,
                             packed.doc_end[anchors], block_size, labels)
@@ -70,9 +75,18 @@ def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce"
     if mb.anchors.numel() == 0:  # no supervised pair in these documents: a zero that still has a graph
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         return zero, BlockStats.zeros(model.config.block_size)
+    loss_sum, preds = microbatch_predictions(model, mb, loss=loss, attention=attention, chunk=chunk)
+    return loss_sum, block_stats(loss_sum, mb.labels, mb.weights, preds.cpu())
+
+
+def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce", attention: str = "split",
+                           chunk: int | None = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training forward of a micro-batch with at least one anchor: (weighted loss sum, the
+    drafter's argmax as target ids [M] at the labelled slots, row-major). Blocks are as wide as
+    `mb.labels` (at most the drafter's block size)."""
     device = model.fc.weight.device
     first = mb.packed.input_ids[mb.anchors]
-    embeds = model.embed(model.block_ids(first).to(device))
+    embeds = model.embed(model.block_ids(first)[:, : mb.labels.shape[1]].to(device))
     layout = mb.layout
     if layout.anchors.device != device:
         layout = TrainLayout(*(t.to(device) for t in (layout.anchors, layout.doc_start, layout.ctx_positions,
@@ -85,6 +99,4 @@ def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce"
     target_logp = mb.target_logp.to(device) if mb.target_logp is not None else None
     loss_sum, preds = head_loss(hidden[valid.to(device)], head_weight(model), labels.clamp(min=0), w,
                                 kind=loss, target_logp=target_logp, chunk=chunk)
-    preds = model.draft_to_target(preds)
-    stats = block_stats(loss_sum, mb.labels, mb.weights, preds.cpu())
-    return loss_sum, stats
+    return loss_sum, model.draft_to_target(preds)

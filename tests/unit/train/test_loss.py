@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_train.train.anchors import IGNORE
-from dflash_train.train.loss import block_stats, head_loss, reference_head_loss
+from dflash_train.train.loss import accept_lengths, block_stats, head_loss, reference_head_loss, slot_correct
 
 
 @pytest.mark.parametrize("kind", ["ce", "kl"])
@@ -49,3 +49,12 @@ def test_block_stats_acceptance_and_accuracy():
     assert s["accept_len"] == pytest.approx((4 + 1 + 3) / 3)
     assert s["acc"] == pytest.approx([2 / 3, 1.0, 1 / 2])
     assert s["loss"] == pytest.approx(2.0 / 8)
+
+
+def test_accept_lengths_stop_at_the_first_wrong_or_unlabelled_slot():
+    labels = torch.tensor([[IGNORE, 1, 2, 3], [IGNORE, 4, IGNORE, IGNORE], [IGNORE, 6, 7, 8], [IGNORE] * 4])
+    preds = torch.tensor([1, 2, 3, 4, 0, 7, 8])  # the labelled slots, row-major
+    correct = slot_correct(labels, preds)
+    assert correct.tolist() == [[False, True, True, True], [False, True, False, False],
+                                [False, False, True, True], [False] * 4]
+    assert accept_lengths(correct).tolist() == [4, 2, 1, 1]

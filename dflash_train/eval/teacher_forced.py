@@ -115,3 +115,11 @@ def verdict(tf: dict) -> str:
     """`selection` when the training forward reproduces the served steps, else `mismatch`."""
     agreement = tf.get("step_agreement")
     return "selection" if agreement is not None and agreement >= AGREEMENT_FOR_SELECTION else "mismatch"
+
+
+def headline(tf: dict | None) -> dict | None:
+    """The scalar part of a diagnosis (acceptance lengths, agreement, verdict) for summaries."""
+    if not tf:
+        return None
+    keys = ("all", "at_decode_steps", "served", "at_decode_steps_bf16_features", "step_agreement", "steps", "verdict")
+    return {k: tf[k] for k in keys}

@@ -271,6 +271,11 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
     table.add_row("committed-length histogram", " ".join(str(c) for c in s["histogram"]))
     table.add_row("speedup over plain decoding", f"{s['speedup']:.2f}x" if s["speedup"] else "n/a")
     table.add_row("lossless (all prompts)", str(s["lossless"]))
+    tf = s.get("teacher_forced")
+    if tf and tf["steps"]:
+        table.add_row("teacher-forced accept len: every position / at decode steps / served",
+                      f"{tf['all']:.3f} / {tf['at_decode_steps']:.3f} / {tf['served']:.3f}  ({tf['verdict']}; "
+                      f"{100 * tf['step_agreement']:.1f}% of {tf['steps']} steps agree)")
     table.add_row("train: steps / rows / val accept len",
                   f"{s['train_steps']} / {s['train_rows']} / {s['val_accept_len'] or float('nan'):.3f}")
     table.add_row("validate (vLLM + SGLang rules)", "pass" if s["validate_ok"] else "FAIL")

@@ -99,6 +99,8 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     with open(out / "demo.log", "a") as log:
         for stage in stages:
             _run_stage(stage, log)
+    from dflash_train.eval.teacher_forced import headline as teacher_forced_headline
+
     train_summary = json.loads((out / "run" / "summary.json").read_text())
     report = json.loads((out / "eval.json").read_text())
     validate = json.loads("\n".join(next(s for s in stages if s.name == "validate").output))
@@ -106,6 +108,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     summary = {
         "tau": report["tau"], "per_position": report["per_position"], "histogram": report["histogram"],
         "speedup": report["speedup"], "lossless": report["lossless"], "prompts": len(report["prompts"]),
+        "teacher_forced": teacher_forced_headline(report.get("teacher_forced")),
         "max_new_tokens": max_new_tokens, "block_size": report["settings"].get("block_size"),
         "train_steps": train_summary.get("steps"), "train_rows": train_summary.get("train_rows"),
         "val_accept_len": train_summary.get("val_accept_len"), "validate_ok": bool(validate.get("ok")),

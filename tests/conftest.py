@@ -150,3 +150,76 @@ def unwritable_dir(tmp_path):
         yield Path("/sys")
         return
     pytest.skip("no unwritable folder on this machine (root ignores modes and /sys is writable)")
+
+
+# --- e2e: a drafter that really accepts tokens, trained once per session ----------------------------
+# A random drafter gives tau = 1 everywhere, which proves nothing about agreement. This one is trained
+# through the installed commands on the real SmolLM2 target: `prepare` (chitchat, first turns),
+# `regenerate` (the target's own greedy answers, so it learns what it will be asked to predict) and
+# `train` (1 layer, B=4, reduced 1024-token draft vocabulary, float32); then `dflash-train eval`
+# decodes the run's held-out prompts greedily in float32. Users: tests/e2e/test_serve_agreement.py
+# (vLLM reports the same acceptance) and tests/e2e/test_eval_teacher_forced.py (the training forward
+# reproduces every decode step).
+ACCEPTING_PROMPTS = 8
+ACCEPTING_MAX_NEW_TOKENS = 48
+ACCEPTING_TRAIN_STEPS = 150
+ACCEPTING_RECIPE = """# e2e: a small drafter that learns fast on the target's own chitchat answers
+data: {{prepared: {rows}, features: memory, holdout_fraction: 0.1}}
+drafter: {{num_layers: 1, block_size: 4, mask_token_id: 16, dtype: float32, draft_vocab_size: 1024,
+          intermediate_size: 768}}
+objective: {{anchors_per_document: 32, logits_chunk: 1024}}
+optim: {{lr: 3.0e-3, warmup_ratio: 0.05, max_steps: {steps}}}
+batch: {{tokens_per_microbatch: 1024}}
+checkpoint: {{save_every: 100000}}
+logging: {{log_every: 10, eval_every: 100000, progress: false}}
+eval: {{enabled: false}}
+"""
+
+
+def run_dflash_train(*args: str, timeout: float = 600) -> tuple[str, float]:
+    """Run the installed `dflash-train ARGS`; return its stdout and wall seconds."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    started = time.monotonic()
+    done = subprocess.run([str(Path(sys.executable).parent / "dflash-train"), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, f"dflash-train {args[0]} failed:\n{done.stderr[-3000:]}"
+    return done.stdout, time.monotonic() - started
+
+
+@pytest.fixture(scope="session")
+def accepting_run(tmp_path_factory):
+    """(run folder, {stage: seconds}) of the accepting drafter (see above)."""
+    import json
+
+    tmp = tmp_path_factory.mktemp("accepting-run")
+    rows, regen, run = tmp / "rows", tmp / "regen", tmp / "run"
+    timings: dict[str, float] = {}
+    _, timings["prepare"] = run_dflash_train("prepare", "--data", "chitchat", "--max-samples", "256", "--max-turns",
+                                             "1", "--max-length", "256", "--output", str(rows))
+    _, timings["regenerate"] = run_dflash_train("regenerate", "--data", str(rows), "--output", str(regen),
+                                                "--max-new-tokens", str(ACCEPTING_MAX_NEW_TOKENS), "--batch-size",
+                                                "32")
+    recipe = tmp / "accepting.yaml"
+    recipe.write_text(ACCEPTING_RECIPE.format(rows=regen, steps=ACCEPTING_TRAIN_STEPS))
+    _, timings["train"] = run_dflash_train("train", "--config", str(recipe), "--output", str(run))
+    assert json.loads((run / "final" / "config.json").read_text())["draft_vocab_size"] == 1024
+    return run, timings
+
+
+@pytest.fixture(scope="session")
+def accepting_eval(accepting_run):
+    """(eval report, its printed summary, {stage: seconds}) of `dflash-train eval` on the run's
+    held-out prompts: greedy, float32, no speedup timing."""
+    import json
+
+    run, timings = accepting_run
+    path = run.parent / "eval.json"
+    stdout, seconds = run_dflash_train("eval", "--draft", str(run / "final"), "--prompts", str(run), "--num-prompts",
+                                  str(ACCEPTING_PROMPTS), "--max-new-tokens", str(ACCEPTING_MAX_NEW_TOKENS),
+                                  "--dtype", "float32", "--no-speedup", "--json", str(path))
+    return json.loads(path.read_text()), stdout, {**timings, "eval": seconds}

@@ -5,6 +5,7 @@
 - histogram[n-1]: number of steps that committed n tokens, n = 1..B
 - speedup: plain decoding wall time / speculative wall time, same prompts, same run
 - lossless: greedy only; every prompt's output equals plain greedy decoding (None when sampling)
+- teacher_forced: greedy only; the training forward on the decoded sequences (teacher_forced.py)
 """
 
 from __future__ import annotations
@@ -121,7 +122,13 @@ def plot_report(report: dict, path: str | Path) -> Path:
     tau = report["tau"]
     left.set_title(f"committed lengths (tau = {tau:.2f})" if tau is not None else "committed lengths")
     rates = [r if r is not None else 0.0 for r in report["per_position"]]
-    right.bar(report["per_position_slots"], rates, color="tab:green")
+    right.bar(report["per_position_slots"], rates, color="tab:green", label="served")
+    tf = report.get("teacher_forced")
+    if tf:  # the training forward on the same sequences: every position, and where steps began
+        for name, marker in (("all", "o"), ("at_decode_steps", "x")):
+            right.plot(report["per_position_slots"], [r or 0.0 for r in tf["per_position"][name]], marker,
+                       color="black", label=f"teacher-forced, {name.replace('_', ' ')}")
+        right.legend(fontsize=8)
     right.set_ylim(0, 1)
     right.set_xlabel("draft slot k")
     right.set_ylabel("acceptance rate")
@@ -149,4 +156,35 @@ def summary_lines(report: dict) -> list[str]:
         bad = [p["index"] for p in report["prompts"] if not p.get("lossless", True)]
         lines.append("lossless: yes (all prompts identical to plain greedy)" if report["lossless"]
                      else f"lossless: NO (prompts {bad} differ from plain greedy)")
+    if report.get("teacher_forced"):
+        lines.extend(teacher_forced_lines(report["teacher_forced"]))
+    return lines
+
+
+def teacher_forced_lines(tf: dict) -> list[str]:
+    """The teacher-forced diagnosis (teacher_forced.py) in a few lines, with its verdict."""
+    def fmt(x, spec=".3f"):
+        return "n/a" if x is None else format(x, spec)
+
+    def rates(name):
+        return " ".join(fmt(r, ".2f") for r in tf["per_position"][name])
+
+    agreement = tf["step_agreement"]
+    lines = [f"teacher-forced block acceptance on these sequences: every position {fmt(tf['all'])}, "
+             f"at decode steps {fmt(tf['at_decode_steps'])}, served {fmt(tf['served'])} (1 + accepted drafts); "
+             f"{fmt(None if agreement is None else 100 * agreement, '.1f')}% of {tf['steps']} steps agree",
+             f"  per-position, every position: {rates('all')}",
+             f"  per-position, at decode steps: {rates('at_decode_steps')}",
+             f"  per-position, served: {rates('served')}",
+             f"  at decode steps with bf16-rounded features (as training stores them): "
+             f"{fmt(tf['at_decode_steps_bf16_features'])}"]
+    if tf["verdict"] == "selection":
+        lines.append(f"gap: selection. The training forward reproduces the served steps; decode steps begin at "
+                     f"harder positions than the average one ({fmt(tf['all'])} -> {fmt(tf['at_decode_steps'])})")
+    else:
+        first = tf["disagreements"][0] if tf["disagreements"] else None
+        where = (f"; first: prompt {first['prompt']} position {first['position']}, served accepted "
+                 f"{first['served_accepted']}, teacher-forced {first['teacher_forced_accepted']}") if first else ""
+        lines.append(f"gap: MISMATCH. The training forward differs from served drafting at "
+                     f"{tf['steps'] - round((agreement or 0) * tf['steps'])} of {tf['steps']} steps{where}")
     return lines

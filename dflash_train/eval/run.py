@@ -130,7 +130,10 @@ def evaluate_run(run_dir: str | Path, target: str | None = None, max_prompts: in
     report = run_eval(EvalConfig(draft=str(run), target=target, prompts=str(run / "holdout_rows.json"),
                                  num_prompts=max_prompts, max_new_tokens=max_new_tokens, device=device,
                                  json_out=str(run / "eval.json"), plot=str(run / "eval.png"), overwrite=True), progress=progress)
+    from dflash_train.eval.teacher_forced import headline as teacher_forced_headline
+
     headline = {k: report[k] for k in ("tau", "per_position", "histogram", "speedup", "lossless") if k in report}
+    headline["teacher_forced"] = teacher_forced_headline(report.get("teacher_forced"))
     headline.update(prompts=max_prompts, max_new_tokens=max_new_tokens, report=str(run / "eval.json"))
     summary_path = run / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}

@@ -32,6 +32,7 @@ from dflash_train.errors import ConfigError
 class Step:
     committed: int  # tokens committed by this target forward (after truncation at EOS / limit)
     accepted: int  # leading draft slots accepted and kept (<= committed)
+    position: int | None = None  # absolute position p of the block's first token (the last committed one)
 
 
 @dataclass
@@ -188,7 +189,7 @@ def speculative_generate(draft, target, prompt_ids: Sequence[int], max_new_token
 
         new = [*proposals[:a], extra]
         keep = _stop_index(new, eos, max_new_tokens - len(tokens))
-        steps.append(Step(committed=keep, accepted=min(a, keep)))
+        steps.append(Step(committed=keep, accepted=min(a, keep), position=p))
         tokens.extend(new[:keep])
     _sync(device)
     return Generation(tokens=tokens, seconds=time.perf_counter() - start, steps=steps)
@@ -238,13 +239,15 @@ def _ensure_attached(draft, target_model) -> None:
 
 def evaluate(draft, target_model, tokenizer, prompts: list[list[dict]], max_new_tokens: int = 64,
              temperature: float = 0.0, block_size: int | None = None, seed: int = 0,
-             measure_speedup: bool = True, progress: bool = False) -> dict:
+             measure_speedup: bool = True, progress: bool = False, teacher_forced: bool = True) -> dict:
     """Speculative decoding over chat `prompts` (OpenAI message lists); returns the report dict.
 
     Each prompt keeps its user turns up to the first assistant turn and is rendered with the
     target's chat template plus the generation prompt. Greedy runs also decode plainly and check
     the outputs are identical (`lossless`); `speedup` is plain wall time / speculative wall time
-    on the same prompts in this run (None when `measure_speedup` is False).
+    on the same prompts in this run (None when `measure_speedup` is False). Greedy runs with
+    `teacher_forced` also put the decoded sequences through the training forward
+    (teacher_forced.py) under the report's `teacher_forced` key.
     """
     from dflash_train.eval.prompts import render_prompts
 
@@ -259,13 +262,13 @@ def evaluate(draft, target_model, tokenizer, prompts: list[list[dict]], max_new_
     draft.eval()
     try:
         return _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperature, b, seed,
-                         measure_speedup, progress)
+                         measure_speedup, progress, teacher_forced)
     finally:
         draft.train(was_training)
 
 
 def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperature, b, seed,
-              measure_speedup, progress) -> dict:
+              measure_speedup, progress, teacher_forced) -> dict:
     from tqdm import tqdm
 
     from dflash_train.eval.report import PromptResult, build_report
@@ -293,4 +296,10 @@ def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperat
                 "eos_token_ids": eos, "num_prompts": len(rendered),
                 "target_layer_ids": draft.config.target_layer_ids,
                 "reduced_vocab": draft.config.reduced_vocab}
-    return build_report(results, b, greedy=greedy, measure_speedup=measure_speedup, settings=settings)
+    report = build_report(results, b, greedy=greedy, measure_speedup=measure_speedup, settings=settings)
+    if greedy and teacher_forced:  # sampled steps accept by chance: no block-by-block counterpart
+        from dflash_train.eval.teacher_forced import teacher_forced_report
+
+        report["teacher_forced"] = teacher_forced_report(draft, target_model, rendered,
+                                                         [r.spec for r in results], b)
+    return report

@@ -50,18 +50,23 @@ class MicroBatch:
 
 def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, anchors_per_document: int,
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
-                     target_logits: list[torch.Tensor] | None = None, pin_memory: bool = False) -> MicroBatch:
+                     target_logits: list[torch.Tensor] | None = None,
+                     anchors: list[torch.Tensor] | None = None, pin_memory: bool = False) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     target_logits: per document [T_i, V] target logits, needed for the kl loss.
+    anchors: per document, sorted in-document positions to place blocks at instead of sampling
+    them (eval places them where decode steps began); labels follow the same rules either way.
     pin_memory: host features are packed into pinned memory (for a non-blocking copy to a GPU).
     """
     packed = pack_documents(docs, pin_memory=pin_memory)
     starts = [0]
     for d in docs[:-1]:
         starts.append(starts[-1] + len(d))
-    per_doc = [sample_anchors(d.loss_mask, anchors_per_document, anchor_generator(seed, epoch, row)) + s
-               for d, row, s in zip(docs, rows, starts, strict=False)]
+    if anchors is None:
+        anchors = [sample_anchors(d.loss_mask, anchors_per_document, anchor_generator(seed, epoch, row))
+                   for d, row in zip(docs, rows, strict=False)]
+    per_doc = [a.long() + s for a, s in zip(anchors, starts, strict=True)]
     anchors = torch.cat(per_doc) if per_doc else torch.zeros(0, dtype=torch.long)
     lab, src = block_labels(anchors, packed.input_ids, packed.loss_mask, packed.greedy_next,
                             packed.doc_end[anchors], block_size, labels)
@@ -92,19 +97,29 @@ def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce"
     if mb.anchors.numel() == 0:  # no supervised pair in these documents: a zero that still has a graph
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         return zero, BlockStats.zeros(model.config.block_size, device)
+    index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)  # host nonzero: no device sync
+    loss_sum, preds = microbatch_predictions(model, mb, index, loss=loss, attention=attention, chunk=chunk)
+    return loss_sum, block_stats(loss_sum, to_device(mb.labels, device), to_device(mb.weights, device), preds, index)
+
+
+def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch.Tensor | None = None, *,
+                           loss: str = "ce", attention: str = "split",
+                           chunk: int | None = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training forward of a micro-batch with at least one anchor: (weighted loss sum, the
+    drafter's argmax as target ids [M] at the labelled slots, row-major, on the model's device).
+    Blocks are as wide as `mb.labels` (at most the drafter's block size). `index` [M]: the flat
+    positions of the labelled slots (found on the host when not given)."""
+    device = model.fc.weight.device
+    if index is None:
+        index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)
     first = mb.packed.input_ids[mb.anchors]
-    embeds = model.embed(to_device(model.block_ids(first), device))
+    embeds = model.embed(to_device(model.block_ids(first)[:, : mb.labels.shape[1]], device))
     layout = mb.layout.to(device)
     hidden = model.forward_train(to_device(mb.packed.features, device), embeds, layout, attention=attention)
-    index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)  # host nonzero: no device sync
-    target_labels = to_device(mb.labels, device)
-    labels = model.target_to_draft(target_labels.flatten().index_select(0, index))
+    labels = model.target_to_draft(to_device(mb.labels, device).flatten().index_select(0, index))
     keep = labels != IGNORE  # reduced vocab: labels outside it cannot be scored
-    weights = to_device(mb.weights, device)
-    w = weights.flatten().index_select(0, index) * keep
+    w = to_device(mb.weights, device).flatten().index_select(0, index) * keep
     target_logp = to_device(mb.target_logp, device) if mb.target_logp is not None else None
     loss_sum, preds = head_loss(hidden.flatten(0, 1).index_select(0, index), head_weight(model),
                                 labels.clamp(min=0), w, kind=loss, target_logp=target_logp, chunk=chunk)
-    preds = model.draft_to_target(preds)
-    stats = block_stats(loss_sum, target_labels, weights, preds, index)
-    return loss_sum, stats
+    return loss_sum, model.draft_to_target(preds)

@@ -193,6 +193,21 @@ class BlockStats:
                 "positions": int(self.valid.sum())}
 
 
+def slot_correct(labels: torch.Tensor, preds: torch.Tensor) -> torch.Tensor:
+    """[N, B] bool: the slot has a label and its prediction equals it. labels [N, B] (IGNORE = no
+    label), preds [M] for the labelled slots in row-major order."""
+    valid = labels != IGNORE
+    correct = torch.zeros_like(valid)
+    correct[valid] = preds == labels[valid]
+    return correct
+
+
+def accept_lengths(correct: torch.Tensor) -> torch.Tensor:
+    """[N] block acceptance lengths: 1 + the leading slots (from slot 1) predicted right. This is
+    what greedy verification commits for a block when the labels are the target's greedy tokens."""
+    return 1 + torch.cumprod(correct[:, 1:].long(), dim=1).sum(1)
+
+
 def block_stats(loss_sum: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, preds: torch.Tensor,
                 index: torch.Tensor | None = None) -> BlockStats:
     """Stats of N blocks: labels [N, B] (IGNORE = no loss), weights [N, B], preds [M] for the
@@ -204,9 +219,7 @@ def block_stats(loss_sum: torch.Tensor, labels: torch.Tensor, weights: torch.Ten
     correct = torch.zeros(valid.numel(), dtype=torch.bool, device=labels.device)
     correct[index] = preds == labels.flatten()[index]
     correct = correct.view(valid.shape)
-    # acceptance: 1 + leading slots (from slot 1) that have a label and are predicted right
-    run = torch.cumprod((correct & valid)[:, 1:].long(), dim=1).sum(1)
     blocks = torch.full((), labels.shape[0], dtype=torch.float64, device=labels.device)
     return BlockStats(loss_sum=loss_sum.detach().double(), weight_sum=weights.flatten()[index].sum().double(),
                       correct=correct.sum(0).double(), valid=valid.sum(0).double(),
-                      accept_sum=(1 + run).sum().double(), blocks=blocks)
+                      accept_sum=accept_lengths(correct).sum().double(), blocks=blocks)

@@ -4,10 +4,11 @@ Issue 8: "the same drafter served by vLLM's CPU build reports a mean acceptance 
 `dflash-train eval` on the same prompts (greedy, float32, eager)".
 
 1. A drafter that really accepts tokens is trained on the real SmolLM2 target through the installed
-   commands: `prepare` (chitchat, first turns), `regenerate` (the target's own greedy answers, so the
-   drafter learns what it will be asked to predict) and `train` (1 layer, B=4, reduced 1024-token
-   draft vocabulary, float32). A random drafter gives tau = 1 on both sides, which proves nothing.
-2. `dflash-train eval --prompts RUN` decodes the run's held-out prompts (never training rows).
+   commands (the session's `accepting_run` fixture, tests/conftest.py: `prepare` chitchat first turns,
+   `regenerate` the target's own greedy answers, `train` 1 layer, B=4, reduced 1024-token draft
+   vocabulary, float32). A random drafter gives tau = 1 on both sides, which proves nothing.
+2. `dflash-train eval --prompts RUN` decodes the run's held-out prompts (never training rows;
+   the `accepting_eval` fixture, shared with test_eval_teacher_forced.py).
 3. `dflash-serve` starts vLLM's CPU build (float32, eager) with the drafter and the local target;
    the same prompts, rendered by our renderer, go to /v1/completions as token ids one at a time
    (temperature 0, the same max_tokens); /metrics is read before and after each request.
@@ -22,9 +23,6 @@ answers mostly end in EOS (the gap shrinks as answers get longer).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -33,36 +31,10 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
-BIN = Path(sys.executable).parent
-NUM_PROMPTS = 8
-MAX_NEW_TOKENS = 48
 TOLERANCE = 0.05  # |tau_vllm - tau_ours| / tau_ours, issue 8
 MIN_TAU = 1.3  # the drafter must accept tokens for the comparison to mean anything
 ENGINE_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
                "--kv-cache-memory-bytes", str(256 * 1024**2)]
-RECIPE = """# agreement test: a small drafter that learns fast on the target's own chitchat answers
-data: {{prepared: {rows}, features: memory, holdout_fraction: 0.1}}
-drafter: {{num_layers: 1, block_size: 4, mask_token_id: 16, dtype: float32, draft_vocab_size: 1024,
-          intermediate_size: 768}}
-objective: {{anchors_per_document: 32, logits_chunk: 1024}}
-optim: {{lr: 3.0e-3, warmup_ratio: 0.05, max_steps: {steps}}}
-batch: {{tokens_per_microbatch: 1024}}
-checkpoint: {{save_every: 100000}}
-logging: {{log_every: 10, eval_every: 100000, progress: false}}
-eval: {{enabled: false}}
-"""
-TRAIN_STEPS = 150
-
-
-
-
-def run_cli(*args: str, timeout: float = 600) -> tuple[str, float]:
-    """Run `dflash-train ARGS`; return its stdout and wall seconds."""
-    started = time.monotonic()
-    done = subprocess.run([str(BIN / "dflash-train"), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert done.returncode == 0, f"dflash-train {args[0]} failed:\n{done.stderr[-3000:]}"
-    return done.stdout, time.monotonic() - started
 
 
 def post(url: str, body: dict) -> dict:
@@ -89,33 +61,21 @@ def settled_stats(url: str):
     return stats
 
 
-def test_vllm_acceptance_matches_our_eval(tmp_path, smollm2_path, vllm_python):
+def test_vllm_acceptance_matches_our_eval(tmp_path, smollm2_path, vllm_python, accepting_eval):
+    from conftest import ACCEPTING_MAX_NEW_TOKENS as MAX_NEW_TOKENS
+    from conftest import ACCEPTING_PROMPTS as NUM_PROMPTS
+
     from dflash_train.eval.prompts import load_prompts, render_prompts
     from dflash_train.features.target import load_tokenizer
     from serve_shim.launch import start_server
     from serve_shim.metrics import stats_between
 
-    python = vllm_python  # the fixture skipped before any expensive work
-    timings: dict[str, float] = {}
-
-    # 1. a drafter that accepts tokens: prepare -> regenerate -> train
-    rows, regen, run = tmp_path / "rows", tmp_path / "regen", tmp_path / "run"
-    _, timings["prepare"] = run_cli("prepare", "--data", "chitchat", "--max-samples", "256", "--max-turns", "1",
-                                    "--max-length", "256", "--output", str(rows))
-    _, timings["regenerate"] = run_cli("regenerate", "--data", str(rows), "--output", str(regen),
-                                       "--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "32")
-    recipe = tmp_path / "agreement.yaml"
-    recipe.write_text(RECIPE.format(rows=regen, steps=TRAIN_STEPS))
-    _, timings["train"] = run_cli("train", "--config", str(recipe), "--output", str(run))
+    python = vllm_python  # requested first: it skips before the session's drafter is trained
+    # 1-2. the shared accepting drafter (tests/conftest.py) and our eval on its run's held-out prompts
+    ours, _, timings = accepting_eval
+    timings = dict(timings)
+    run = Path(ours["draft"]).parent
     draft = run / "final"
-    assert json.loads((draft / "config.json").read_text())["draft_vocab_size"] == 1024
-
-    # 2. our eval on the run's held-out prompts (greedy, float32)
-    report_path = tmp_path / "eval.json"
-    _, timings["eval"] = run_cli("eval", "--draft", str(draft), "--prompts", str(run), "--num-prompts",
-                                 str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW_TOKENS), "--dtype", "float32",
-                                 "--no-speedup", "--json", str(report_path))
-    ours = json.loads(report_path.read_text())
     assert ours["lossless"] is True and ours["settings"]["block_size"] == 4
     assert ours["tau"] >= MIN_TAU, (f"the drafter accepts too little (tau {ours['tau']:.3f} < {MIN_TAU}): "
                                     "agreement near tau = 1 would prove nothing; train longer")

@@ -70,3 +70,7 @@ def test_json_and_plot_are_written(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(png)
     assert image.shape[0] > 100 and image.shape[1] > 200
+    # with the teacher-forced rates drawn over the served bars: a different picture
+    report["teacher_forced"] = {"per_position": {"all": [0.9, 0.8], "at_decode_steps": [0.5, None]}}
+    with_tf = matplotlib.image.imread(plot_report(report, tmp_path / "eval-tf.png"))
+    assert with_tf.shape == image.shape and (with_tf != image).any()

@@ -56,6 +56,11 @@ def test_greedy_is_lossless_with_a_random_drafter(smollm2, random_drafter):
     for p in report["prompts"]:
         assert p["new_tokens"] == p["plain_new_tokens"]
         assert p["output_text"].strip()
+    # the training forward on the decoded sequences reproduces every step (a random drafter accepts nothing)
+    tf = report["teacher_forced"]
+    assert tf["steps"] == report["target_forwards"] and tf["step_agreement"] == 1.0
+    assert tf["served"] == pytest.approx(1 + sum(report["per_position"]))
+    assert tf["blocks"]["all"] == report["new_tokens"] - len(PROMPTS)  # every generated token with a successor
 
 
 def test_sampling_runs_and_reports_no_lossless_check(smollm2, random_drafter):
@@ -63,6 +68,7 @@ def test_sampling_runs_and_reports_no_lossless_check(smollm2, random_drafter):
     report = evaluate(random_drafter, target, tokenizer, PROMPTS[:1], max_new_tokens=8, temperature=0.8,
                       seed=3, measure_speedup=False)
     assert report["lossless"] is None and report["speedup"] is None
+    assert "teacher_forced" not in report  # sampled steps have no block-by-block teacher-forced counterpart
     assert report["tau"] >= 1.0
     _check_consistent(report, 6, 1)
     again = evaluate(random_drafter, target, tokenizer, PROMPTS[:1], max_new_tokens=8, temperature=0.8,

@@ -7,7 +7,7 @@ from dflash_train.data.packing import Document
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.modeling_dflash import DFlashDraftModel, dense_training_mask
 from dflash_train.train.anchors import IGNORE
-from dflash_train.train.batches import build_microbatch, microbatch_loss
+from dflash_train.train.batches import build_microbatch, microbatch_loss, microbatch_predictions
 
 V, H, NF = 300, 64, 2
 
@@ -70,6 +70,36 @@ def test_dataset_labels_and_resampling():
     assert torch.equal(a.anchors, b.anchors) and not torch.equal(a.anchors, c.anchors)
     n, k = 0, 2
     assert a.labels[n, k] == docs[0].input_ids[a.anchors[n] + k]
+
+
+def test_explicit_anchors_get_the_labels_of_sampled_ones():
+    docs = random_docs([40, 30])
+    sampled = build_microbatch(docs, [3, 4], block_size=4, anchors_per_document=6, labels="greedy", seed=0, epoch=0)
+    per_doc = [sampled.anchors[sampled.anchors < 40], sampled.anchors[sampled.anchors >= 40] - 40]
+    given = build_microbatch(docs, [3, 4], block_size=4, anchors_per_document=0, labels="greedy", seed=9, epoch=5,
+                             anchors=per_doc)
+    assert torch.equal(given.anchors, sampled.anchors) and torch.equal(given.labels, sampled.labels)
+    # a position outside the loss mask or at a document's end gets a block with no label
+    edge = build_microbatch(docs[:1], [0], block_size=4, anchors_per_document=0, labels="greedy", seed=0, epoch=0,
+                            anchors=[torch.tensor([2, 39])])
+    assert (edge.labels == IGNORE).all()
+
+
+def test_predictions_of_a_narrower_block_match_the_served_block():
+    """Blocks as wide as the labels (eval's --block-size < the trained size) equal inference's block."""
+    model = tiny_model(block_size=6, layers=1).eval()
+    doc = random_docs([30])[0]
+    a = 17
+    mb = build_microbatch([doc], [0], block_size=4, anchors_per_document=0, labels="dataset", seed=0, epoch=0,
+                          anchors=[torch.tensor([a])])
+    with torch.no_grad():
+        _, preds = microbatch_predictions(model, mb)
+        cache = model.new_cache()
+        model.append_context(cache, doc.features[None, :a], torch.arange(a)[None])
+        block = torch.full((1, 4), model.config.mask_token_id)
+        block[0, 0] = doc.input_ids[a]
+        hidden = model.forward_block(model.embed(block), torch.tensor([a]), cache)  # a 4-wide served block
+    assert torch.equal(preds, model.logits(hidden[0, 1:]).argmax(-1))
 
 
 def _run(model, mb, attention, grad=True):

@@ -7,7 +7,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dflash_train.train.anchors import IGNORE
-from dflash_train.train.loss import auto_logits_chunk, block_stats, head_loss, reference_head_loss
+from dflash_train.train.loss import (
+    accept_lengths,
+    auto_logits_chunk,
+    block_stats,
+    head_loss,
+    reference_head_loss,
+    slot_correct,
+)
 
 
 @pytest.mark.parametrize("kind", ["ce", "kl"])
@@ -125,3 +132,12 @@ def test_bf16_head_on_gpu_equals_the_fp32_head():
     (l32, p32, g32), (l16, p16, g16) = results[torch.float32], results[torch.bfloat16]
     assert abs(l16 - l32) <= 2e-3 * abs(l32) and (p16 == p32).float().mean() >= 0.95
     assert (g16 - g32).abs().max() <= 3e-2 * g32.abs().max()
+
+
+def test_accept_lengths_stop_at_the_first_wrong_or_unlabelled_slot():
+    labels = torch.tensor([[IGNORE, 1, 2, 3], [IGNORE, 4, IGNORE, IGNORE], [IGNORE, 6, 7, 8], [IGNORE] * 4])
+    preds = torch.tensor([1, 2, 3, 4, 0, 7, 8])  # the labelled slots, row-major
+    correct = slot_correct(labels, preds)
+    assert correct.tolist() == [[False, True, True, True], [False, True, False, False],
+                                [False, False, True, True], [False] * 4]
+    assert accept_lengths(correct).tolist() == [4, 2, 1, 1]

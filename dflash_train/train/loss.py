@@ -45,12 +45,20 @@ def auto_logits_chunk(vocab: int, device: torch.device | str) -> int:
     return int(min(8192, max(256, _CHUNK_BYTES // (10 * vocab) // 256 * 256)))
 
 
+_FP32_OUT = {"cuda": True}  # torch.mm(..., out_dtype=) is CUDA-only (torch >= 2.8); set False if refused
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b as fp32: fp32 operands as they are; half-precision operands with fp32 accumulation and output."""
     if a.dtype == torch.float32:
         return a @ b
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
+    if a.is_cuda and _FP32_OUT["cuda"]:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError):  # an older torch: round the output once
+            _FP32_OUT["cuda"] = False
     return (a @ b).float()
 
 

@@ -125,7 +125,7 @@ def test_flex_never_runs_eagerly():
     mask = training_block_mask(layout.anchors, layout.doc_start, layout.ctx_positions, layout.block_positions, None)
     with pytest.raises(RuntimeError, match="eager"):
         _flex_call(q, torch.randn(1, 2, 256, 8), torch.randn(1, 2, 256, 8), mask, 0.3)
-    with torch._dynamo.config.patch(disable=True), pytest.raises(RuntimeError, match="eager"):
+    with torch.compiler.set_stance("force_eager"), pytest.raises(RuntimeError, match="eager"):
         compiled_flex()(q, torch.randn(1, 2, 256, 8), torch.randn(1, 2, 256, 8), mask, 0.3)
 
 

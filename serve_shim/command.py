@@ -91,7 +91,7 @@ def user_speculative_config(args: list[str]) -> tuple[dict | None, list[str]]:
     while i < len(args):
         flag, eq, inline = args[i].partition("=")
         base, dot, key = flag.partition(".")
-        if base not in SPEC_CONFIG_FLAGS and (flag not in SPEC_FLAGS):
+        if base not in SPEC_CONFIG_FLAGS and flag not in SPEC_FLAGS:
             rest.append(args[i])
             i += 1
             continue

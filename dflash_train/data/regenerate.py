@@ -201,7 +201,10 @@ def _open_progress(work: Path, inputs: dict) -> dict[int, dict]:
     work.mkdir(parents=True, exist_ok=True)
     state = work / STATE_FILE
     if state.is_file():
-        old = json.loads(state.read_text())
+        try:
+            old = json.loads(state.read_text(encoding="utf-8"))
+        except ValueError as exc:  # a torn or foreign file: its rows cannot be trusted either
+            raise DataError(f"{state}: unreadable ({exc}); delete {work} to start the regeneration over") from None
         if old != json.loads(json.dumps(inputs)):
             changed = sorted(k for k in set(old) | set(inputs) if old.get(k) != inputs.get(k))
             raise DataError(f"{work}: an interrupted run with different settings ({', '.join(changed)}) is there; "

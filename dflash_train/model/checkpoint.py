@@ -13,7 +13,7 @@ import torch
 
 from convert import formats
 from convert.formats import speculators
-from convert.validate import check_drafter
+from convert.validate import all_finite, check_drafter
 from convert.weights import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_json, write_tensors
 from dflash_train.errors import CheckpointError
 from dflash_train.model.config import DFlashConfig
@@ -66,7 +66,7 @@ def save_drafter(model: DFlashDraftModel, out: str | Path, dtype: str | None = N
     torch_dtype = DTYPES[cfg.dtype]
     tensors = {}
     for name, t in model.state_dict().items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # a NaN drafter is never written
+        if not all_finite(t):  # a NaN drafter is never written
             raise CheckpointError(f"{out}: tensor `{name}` holds NaN or inf; refusing to write a broken drafter")
         tensors[name] = t if not t.is_floating_point() else t.to(torch_dtype)
     need = sum(t.numel() * t.element_size() for t in tensors.values())

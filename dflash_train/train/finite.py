@@ -57,9 +57,10 @@ class FiniteGuard:
 
     def check_weights(self, step: int, module: torch.nn.Module) -> None:
         """Raise TrainingError when a weight about to be saved is not finite."""
-        params = [p for p in module.parameters() if p.numel()]
-        if not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+        from convert.validate import all_finite
+
+        bad = next((n for n, p in module.named_parameters() if not all_finite(p.detach())), None)
+        if bad is None:
             return
-        name = next(n for n, p in module.named_parameters() if p.numel() and not bool(torch.isfinite(p).all()))
-        raise TrainingError(f"training stopped: the weights are NaN or inf after step {step} (first: `{name}`) "
+        raise TrainingError(f"training stopped: the weights are NaN or inf after step {step} (first: `{bad}`) "
                             f"although the loss and gradients were finite; {self._advice()}")

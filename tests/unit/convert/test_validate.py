@@ -266,3 +266,18 @@ def test_find_local_target_never_uses_the_network(tmp_path, smollm2_path, monkey
     assert find_local_target("HuggingFaceTB/SmolLM2-135M-Instruct") == str(smollm2_path)  # the cached conversion
     assert find_local_target("org/not-in-any-cache") is None
     assert find_local_target(str(tmp_path)) is None and find_local_target(None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_all_finite_finds_every_nan_and_inf(dtype):
+    from convert.validate import all_finite
+
+    t = torch.randn(1031, 17).to(dtype)  # odd sizes: vectorised bodies and scalar tails
+    assert all_finite(t) and all_finite(t[:0]) and all_finite(torch.zeros((), dtype=dtype))
+    assert all_finite(torch.full((5,), torch.finfo(dtype).max, dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for index in (0, 7, t.numel() - 1, t.numel() // 2):
+            u = t.clone().view(-1)
+            u[index] = bad
+            assert not all_finite(u.view_as(t)), (bad, index)
+    assert all_finite(torch.tensor([1, 2], dtype=torch.int64)) and all_finite(torch.tensor([True]))

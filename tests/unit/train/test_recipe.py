@@ -69,3 +69,39 @@ def test_unreadable_config_files_are_named(tmp_path):
         load_recipe(tmp_path / "r.yaml")
     with pytest.raises(ConfigError, match="--config .*absent.yaml: file not found"):
         load_recipe(tmp_path / "absent.yaml")
+
+
+@pytest.mark.slow
+def test_training_from_a_saved_drafter_uses_and_records_its_shape(tmp_path, train_tiny_target, train_prepared):
+    """A real run (installed command, tiny target): the drafter's 2 layers and block 6 are trained and
+    recorded, not the recipe defaults (1 layer, block 16)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.model.init import new_drafter_for_target
+
+    save_drafter(new_drafter_for_target(str(train_tiny_target), num_layers=2, block_size=6, mask_token_id=16,
+                                        num_features=2, dtype="float32"), tmp_path / "start")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""target: {train_tiny_target}
+data: {{prepared: {train_prepared}, features: memory, holdout_fraction: 0.2}}
+drafter: {{init_from: {tmp_path / 'start'}, mask_token_id: 16, dtype: float32}}
+objective: {{anchors_per_document: 16, logits_chunk: 64}}
+batch: {{tokens_per_microbatch: 256}}
+logging: {{log_every: 1, eval_every: 100, progress: false}}
+""")
+    bin_dir = Path(sys.executable).parent
+    res = subprocess.run([str(bin_dir / "dflash-train"), "train", "--config", str(recipe), "--output",
+                          str(tmp_path / "run"), "--max-steps", "1"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    resolved = (tmp_path / "run" / "resolved_config.yaml").read_text()
+    for line in ("  num_layers: 2  # drafter.init_from", "  block_size: 6  # drafter.init_from",
+                 "  num_features: 2  # drafter.init_from", "  mask_token_id: 16  # recipe"):
+        assert line in resolved, line
+    final = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert final["transformer_layer_config"]["num_hidden_layers"] == 2 and final["block_size"] == 6

@@ -4,7 +4,6 @@ before and after (nothing lost, no partial output)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_checks import refused, tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "convert"))
 from convert_fixtures import edit_tensors, smollm2_cfg, write_drafter  # noqa: E402
@@ -30,24 +30,6 @@ def run(command: str, *args, env: dict | None = None, timeout: int = 300) -> sub
                                **(env or {})})
 
 
-def tree(root: Path) -> dict[str, tuple]:
-    """Every path under `root` with its size and hash (folders as such)."""
-    out = {}
-    for path in sorted(root.rglob("*")):
-        rel = str(path.relative_to(root))
-        out[rel] = ("dir",) if path.is_dir() else (path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
-    return out
-
-
-def refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit 2, no traceback, one `error:` line holding every needle; returns that line."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    for needle in needles:
-        assert needle in errors[0], (needle, errors[0])
-    return errors[0]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ damaged newest checkpoint on the real SmolLM2 target."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -14,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_checks import refused, tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "convert"))
 from convert_fixtures import smollm2_cfg, write_drafter  # noqa: E402
@@ -28,26 +28,6 @@ def cli(exe: str, *args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env)
 
 
-def tree(root: Path) -> dict:
-    out: dict = {}
-    for dirpath, dirs, files in os.walk(root):
-        for d in dirs:
-            out[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
-        for f in files:
-            p = Path(dirpath, f)
-            out[str(p.relative_to(root))] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-    return out
-
-
-def refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit 2, one `error:` line holding every needle, no traceback; returns that line."""
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 A prompt is the conversation up to (not including) its first assistant turn, rendered with the
 target's chat template and the generation prompt, so the target answers the first user turn.
+A prompt may carry a source label (a JSONL row's `source`, a prepared row's `source` column), so
+the eval can report acceptance per source.
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ def _jsonl_row(row, path: Path, line: int) -> list[dict]:
 
 
 def read_prompt_jsonl(path: str | Path) -> list[list[dict]]:
-    path = Path(path)
+    return [messages for messages, _ in _labelled_jsonl(Path(path))]
+
+
+def _label(value) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _labelled_jsonl(path: Path) -> list[tuple[list[dict], str | None]]:
     out = []
     for n, line in enumerate(read_text_file(path, "--prompts").splitlines(), 1):
         if not line.strip():
@@ -51,7 +60,7 @@ def read_prompt_jsonl(path: str | Path) -> list[list[dict]]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"--prompts {path}: line {n} is not valid JSON ({exc.msg})") from exc
-        out.append(_jsonl_row(row, path, n))
+        out.append((_jsonl_row(row, path, n), _label(row.get("source"))))
     return out
 
 
@@ -60,6 +69,10 @@ HOLDOUT_FILE = "holdout_rows.json"
 
 def heldout_prompts(holdout_file: str | Path, max_prompts: int | None = None) -> list[list[dict]]:
     """User turns of a training run's held-out rows (`RUN/holdout_rows.json`): never training rows."""
+    return [messages for messages, _ in _labelled_heldout(holdout_file, max_prompts)]
+
+
+def _labelled_heldout(holdout_file: str | Path, max_prompts: int | None) -> list[tuple[list[dict], str | None]]:
     from dflash_train.data.prepare import load_prepared
 
     path = Path(holdout_file)
@@ -71,33 +84,41 @@ def heldout_prompts(holdout_file: str | Path, max_prompts: int | None = None) ->
     if not rows:
         raise DataError(f"--prompts {path}: the run held out no rows; set data.holdout_fraction > 0")
     ds = load_prepared(data)
-    return [user_turns(json.loads(ds[i]["messages"])) for i in rows[:max_prompts]]
+    labelled = "source" in ds.column_names
+    return [(user_turns(json.loads(ds[i]["messages"])), _label(ds[i]["source"]) if labelled else None)
+            for i in rows[:max_prompts]]
 
 
 def load_prompts(source: str, split: str | None = None, subset: str | None = None,
                  max_samples: int | None = None) -> list[list[dict]]:
     """Prompt conversations (user turns only) from a JSONL file, a `prepare` data source, or a
     training run folder / its `holdout_rows.json` (the rows held out of training)."""
+    return [messages for messages, _ in load_labelled_prompts(source, split, subset, max_samples)]
+
+
+def load_labelled_prompts(source: str, split: str | None = None, subset: str | None = None,
+                          max_samples: int | None = None) -> list[tuple[list[dict], str | None]]:
+    """`load_prompts` with each prompt's source label (None where the data names none)."""
     if max_samples is not None and max_samples < 1:
         raise DataError(f"--num-prompts must be >= 1, got {max_samples}")
     path = Path(source)
     if path.is_dir() and (path / HOLDOUT_FILE).is_file():
         path = path / HOLDOUT_FILE  # a training run folder: its held-out prompts
     if path.name == HOLDOUT_FILE and path.is_file():
-        conversations = heldout_prompts(path, max_samples)
+        conversations = _labelled_heldout(path, max_samples)
     elif path.is_file() and path.suffix == ".jsonl" and _is_prompt_jsonl(path):
-        conversations = read_prompt_jsonl(path)
+        conversations = _labelled_jsonl(path)
         if max_samples is not None:
             conversations = conversations[:max_samples]
     else:
         from dflash_train.data.sources import load_conversations
 
-        conversations = load_conversations(source, split, subset, None)
+        conversations = [(conv, None) for conv in load_conversations(source, split, subset, None)]
     prompts = []
-    for conv in conversations:
+    for conv, label in conversations:
         turns = user_turns(conv)
         if any(m["role"] == "user" for m in turns):
-            prompts.append(turns)
+            prompts.append((turns, label))
         if max_samples is not None and len(prompts) >= max_samples:
             break
     if not prompts:

@@ -6,6 +6,7 @@
 - speedup: plain decoding wall time / speculative wall time, same prompts, same run
 - lossless: greedy only; every prompt's output equals plain greedy decoding (None when sampling)
 - teacher_forced: greedy only; the training forward on the decoded sequences (teacher_forced.py)
+- per_source: tau, per-position acceptance and counts for each prompt source label (when any)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class PromptResult:
     spec: Generation
     plain: Generation | None
     text: str = ""
+    source: str | None = None  # the prompt's source label, if its data names one
 
 
 def step_stats(steps: list[Step], block_size: int) -> dict:
@@ -59,7 +61,8 @@ def build_report(results: list[PromptResult], block_size: int, greedy: bool, mea
         one = step_stats(r.spec.steps, block_size)
         row = {"index": r.index, "prompt_tokens": r.prompt_tokens, "new_tokens": len(r.spec.tokens),
                "target_forwards": one["steps"], "tau": one["tau"], "histogram": one["histogram"],
-               "spec_seconds": r.spec.seconds, "output_tokens": r.spec.tokens, "output_text": r.text}
+               "spec_seconds": r.spec.seconds, "output_tokens": r.spec.tokens, "output_text": r.text,
+               "source": r.source}
         if r.plain is not None:
             row["plain_seconds"] = r.plain.seconds
             row["plain_new_tokens"] = len(r.plain.tokens)
@@ -92,8 +95,25 @@ def build_report(results: list[PromptResult], block_size: int, greedy: bool, mea
         "new_tokens": spec_tokens,
         "timing": timing,
         "settings": settings,
+        "per_source": per_source_stats(results, block_size),
         "prompts": per_prompt,
     }
+
+
+def per_source_stats(results: list[PromptResult], block_size: int) -> dict | None:
+    """{label: tau, per-position acceptance, steps, prompts} by prompt source; None when no prompt
+    has a label (unlabelled prompts then count as `unlabelled`)."""
+    if not any(r.source for r in results):
+        return None
+    groups: dict[str, list[PromptResult]] = {}
+    for r in results:
+        groups.setdefault(r.source or "unlabelled", []).append(r)
+    out = {}
+    for label, rs in sorted(groups.items()):
+        stats = step_stats([s for r in rs for s in r.spec.steps], block_size)
+        out[label] = {"tau": stats["tau"], "per_position": stats["per_position"], "steps": stats["steps"],
+                      "prompts": len(rs)}
+    return out
 
 
 def write_report_json(report: dict, path: str | Path) -> Path:
@@ -156,6 +176,10 @@ def summary_lines(report: dict) -> list[str]:
         bad = [p["index"] for p in report["prompts"] if not p.get("lossless", True)]
         lines.append("lossless: yes (all prompts identical to plain greedy)" if report["lossless"]
                      else f"lossless: NO (prompts {bad} differ from plain greedy)")
+    if report.get("per_source"):
+        lines.append("tau by prompt source: " + ", ".join(
+            f"{label} {fmt(v['tau'])} ({v['prompts']} prompt{'' if v['prompts'] == 1 else 's'})"
+            for label, v in report["per_source"].items()))
     if report.get("teacher_forced"):
         lines.extend(teacher_forced_lines(report["teacher_forced"]))
     return lines

@@ -81,7 +81,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     """Load, evaluate, write the outputs named in `cfg`; returns the report (with `draft`/`target`)."""
     import torch
 
-    from dflash_train.eval.prompts import load_prompts
+    from dflash_train.eval.prompts import load_labelled_prompts
     from dflash_train.eval.report import plot_report, write_report_json
     from dflash_train.eval.spec_decode import evaluate
     from dflash_train.features.target import load_target, load_target_config, load_tokenizer, resolve_target
@@ -97,7 +97,8 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     if cfg.block_size is not None and cfg.block_size > trained:  # fail before loading anything heavy
         raise ConfigError(f"--block-size {cfg.block_size}: larger than the drafter's trained block_size {trained} "
                           f"({draft_dir / 'config.json'}); pass at most {trained}")
-    prompts = load_prompts(cfg.prompts, cfg.split, cfg.subset, cfg.num_prompts)
+    labelled = load_labelled_prompts(cfg.prompts, cfg.split, cfg.subset, cfg.num_prompts)
+    prompts, sources = [m for m, _ in labelled], [label for _, label in labelled]
     # the drafter is checked against the target's config and tokenizer before the target's weights load
     target_path = resolve_target(cfg.target)
     draft = load_drafter(draft_dir, target_config=load_target_config(target_path), dtype=dtype,
@@ -107,7 +108,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     report = evaluate(draft, target, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature, block_size=cfg.block_size, seed=cfg.seed,
-                      measure_speedup=cfg.measure_speedup, progress=progress)
+                      measure_speedup=cfg.measure_speedup, progress=progress, sources=sources)
     report["draft"] = str(draft_dir)
     report["target"] = target_path
     report["settings"].update(prompts=cfg.prompts, dtype=cfg.dtype)
@@ -132,7 +133,8 @@ def evaluate_run(run_dir: str | Path, target: str | None = None, max_prompts: in
                                  json_out=str(run / "eval.json"), plot=str(run / "eval.png"), overwrite=True), progress=progress)
     from dflash_train.eval.teacher_forced import headline as teacher_forced_headline
 
-    headline = {k: report[k] for k in ("tau", "per_position", "histogram", "speedup", "lossless") if k in report}
+    headline = {k: report[k] for k in ("tau", "per_position", "histogram", "speedup", "lossless", "per_source")
+                if k in report}
     headline["teacher_forced"] = teacher_forced_headline(report.get("teacher_forced"))
     headline.update(prompts=max_prompts, max_new_tokens=max_new_tokens, report=str(run / "eval.json"))
     summary_path = run / "summary.json"

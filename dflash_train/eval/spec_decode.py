@@ -239,7 +239,8 @@ def _ensure_attached(draft, target_model) -> None:
 
 def evaluate(draft, target_model, tokenizer, prompts: list[list[dict]], max_new_tokens: int = 64,
              temperature: float = 0.0, block_size: int | None = None, seed: int = 0,
-             measure_speedup: bool = True, progress: bool = False, teacher_forced: bool = True) -> dict:
+             measure_speedup: bool = True, progress: bool = False, teacher_forced: bool = True,
+             sources: Sequence[str | None] | None = None) -> dict:
     """Speculative decoding over chat `prompts` (OpenAI message lists); returns the report dict.
 
     Each prompt keeps its user turns up to the first assistant turn and is rendered with the
@@ -247,7 +248,8 @@ def evaluate(draft, target_model, tokenizer, prompts: list[list[dict]], max_new_
     the outputs are identical (`lossless`); `speedup` is plain wall time / speculative wall time
     on the same prompts in this run (None when `measure_speedup` is False). Greedy runs with
     `teacher_forced` also put the decoded sequences through the training forward
-    (teacher_forced.py) under the report's `teacher_forced` key.
+    (teacher_forced.py) under the report's `teacher_forced` key. `sources` labels each prompt
+    with its source, for tau per source (`per_source`).
     """
     from dflash_train.eval.prompts import render_prompts
 
@@ -255,6 +257,8 @@ def evaluate(draft, target_model, tokenizer, prompts: list[list[dict]], max_new_
         raise ConfigError(f"--temperature must be >= 0, got {temperature}")
     if not prompts:
         raise ConfigError("evaluate: no prompts given; pass at least one conversation")
+    if sources is not None and len(sources) != len(prompts):
+        raise ConfigError(f"evaluate: {len(sources)} source labels for {len(prompts)} prompts; pass one per prompt")
     b = check_block_size(draft, block_size)
     _ensure_attached(draft, target_model)
     rendered = render_prompts(tokenizer, prompts)
@@ -262,13 +266,13 @@ def evaluate(draft, target_model, tokenizer, prompts: list[list[dict]], max_new_
     draft.eval()
     try:
         return _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperature, b, seed,
-                         measure_speedup, progress, teacher_forced)
+                         measure_speedup, progress, teacher_forced, sources)
     finally:
         draft.train(was_training)
 
 
 def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperature, b, seed,
-              measure_speedup, progress, teacher_forced) -> dict:
+              measure_speedup, progress, teacher_forced, sources) -> dict:
     from tqdm import tqdm
 
     from dflash_train.eval.report import PromptResult, build_report
@@ -290,7 +294,8 @@ def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperat
             gen_plain = torch.Generator().manual_seed(seed + i)
             plain = plain_generate(target_model, ids, max_new_tokens, temperature, eos, gen_plain)
         results.append(PromptResult(index=i, prompt_tokens=len(ids), spec=spec, plain=plain,
-                                    text=tokenizer.decode(spec.tokens, skip_special_tokens=False)))
+                                    text=tokenizer.decode(spec.tokens, skip_special_tokens=False),
+                                    source=sources[i] if sources is not None else None))
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "block_size": b,
                 "drafter_block_size": draft.config.block_size, "seed": seed, "measure_speedup": measure_speedup,
                 "eos_token_ids": eos, "num_prompts": len(rendered),

@@ -35,7 +35,7 @@ def run_folder(tmp_path_factory, smollm2_path):
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    rows = [{"prompt": "What is 12 + 7?"},
+    rows = [{"prompt": "What is 12 + 7?", "source": "math"},
             {"messages": [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "Apple."}]}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
@@ -57,6 +57,15 @@ def test_eval_writes_report_and_plot(run_folder, prompts, smollm2_path, tmp_path
     assert report["draft"] == str(run_folder / "final")
     assert report["settings"]["block_size"] == 4 and len(report["histogram"]) == 4
     assert len(report["prompts"]) == 2
+    # tau per prompt source: the labelled row and the unlabelled one
+    assert list(report["per_source"]) == ["math", "unlabelled"]
+    assert [v["prompts"] for v in report["per_source"].values()] == [1, 1]
+    first = report["prompts"][0]
+    assert report["per_source"]["math"]["tau"] == first["tau"] and first["source"] == "math"
+    assert "tau by prompt source: math" in proc.stdout
+    # greedy: the teacher-forced diagnosis of the same sequences is in the report and the summary
+    assert report["teacher_forced"]["steps"] == report["target_forwards"]
+    assert "teacher-forced block acceptance" in proc.stdout
     assert all(1 <= p["new_tokens"] <= 8 for p in report["prompts"])
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 

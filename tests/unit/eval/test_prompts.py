@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dflash_train.errors import DataError
-from dflash_train.eval.prompts import load_prompts, render_prompts, user_turns
+from dflash_train.eval.prompts import load_labelled_prompts, load_prompts, render_prompts, user_turns
 
 
 def _jsonl(path, rows):
@@ -74,3 +74,31 @@ def test_binary_prompt_files_are_named(tmp_path):
     path.write_bytes(b'{"prompt": "ok"}\n' + bytes([0xff, 0xfe, 0x00, 0x81]) * 10)
     with pytest.raises(DataError, match=r"--prompts .*p.jsonl: not UTF-8 text \(byte 0xff at offset 17\)"):
         load_prompts(str(path))
+
+
+def test_source_labels_from_jsonl_rows(tmp_path):
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2?", "source": "math"}, {"prompt": "hi"},
+                                         {"prompt": "x", "source": ""}, {"prompt": "3*3?", "source": "math"}])
+    labelled = load_labelled_prompts(str(path))
+    assert [label for _, label in labelled] == ["math", None, None, "math"]
+    assert [m for m, _ in labelled] == load_prompts(str(path))
+
+
+def test_source_labels_from_held_out_rows_with_a_source_column(tmp_path, smollm2_path):
+    from transformers import AutoTokenizer
+
+    from dflash_train.data.prepare import load_prepared, write_prepared
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(4)]
+    write_prepared(convs, tok, tmp_path / "rows", {"command": "test"}, max_length=64)
+    ds = load_prepared(tmp_path / "rows").add_column("source", ["chat", "code", "chat", "code"])
+    ds.save_to_disk(str(tmp_path / "mixed"))
+    holdout = tmp_path / "run" / "holdout_rows.json"
+    holdout.parent.mkdir()
+    holdout.write_text(json.dumps({"data": str(tmp_path / "mixed"), "rows": [3, 0], "num_rows": 4}))
+    labelled = load_labelled_prompts(str(holdout.parent))
+    assert labelled == [([{"role": "user", "content": "q3"}], "code"), ([{"role": "user", "content": "q0"}], "chat")]
+    # a prepared folder without the column: no labels
+    holdout.write_text(json.dumps({"data": str(tmp_path / "rows"), "rows": [1], "num_rows": 4}))
+    assert load_labelled_prompts(str(holdout.parent)) == [([{"role": "user", "content": "q1"}], None)]

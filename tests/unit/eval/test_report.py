@@ -74,3 +74,19 @@ def test_json_and_plot_are_written(tmp_path):
     report["teacher_forced"] = {"per_position": {"all": [0.9, 0.8], "at_decode_steps": [0.5, None]}}
     with_tf = matplotlib.image.imread(plot_report(report, tmp_path / "eval-tf.png"))
     assert with_tf.shape == image.shape and (with_tf != image).any()
+
+
+def test_tau_per_prompt_source():
+    results = _results()
+    results.append(PromptResult(2, 8, spec=Generation([4, 4, 4, 4, 4], 1.0, [Step(4, 3)]), plain=None, text="",
+                                source="code"))
+    results[0].source = "chat"
+    report = build_report(results, 4, greedy=False, measure_speedup=False, settings={})
+    per = report["per_source"]
+    assert list(per) == ["chat", "code", "unlabelled"]
+    assert per["chat"] == {"tau": 1.5, "per_position": [0.5, 0.0, 0.0], "steps": 2, "prompts": 1}
+    assert per["code"]["tau"] == 4.0 and per["unlabelled"]["tau"] == 2.0
+    assert [p["source"] for p in report["prompts"]] == ["chat", None, "code"]
+    assert "tau by prompt source: chat 1.500 (1 prompt), code 4.000 (1 prompt), unlabelled 2.000 (1 prompt)" in \
+        "\n".join(summary_lines(report))
+    assert build_report(_results(), 4, greedy=False, measure_speedup=False, settings={})["per_source"] is None

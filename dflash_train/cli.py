@@ -66,8 +66,10 @@ def init_drafter(output: Path = typer.Option(..., "--output", help="Folder to wr
 
 
 @app.command("prepare")
-def prepare(data: str = typer.Option(..., "--data", help="Hub dataset id, local JSON/JSONL/Parquet file or folder, "
-                                     "or a shipped dataset: sharegpt, chitchat."),
+def prepare(data: list[str] = typer.Option(..., "--data", help="Hub dataset id, local JSON/JSONL/Parquet file or "
+                                           "folder, or a shipped dataset: sharegpt, chitchat. Repeat it to mix "
+                                           "sources: rows then carry a `source` label (eval reports tau per "
+                                           "source) and --max-samples applies to each."),
             output: Path = typer.Option(..., "--output", help="Folder to write the prepared dataset to."),
             target: Optional[str] = typer.Option(None, "--target", help=TARGET_HELP),
             max_samples: Optional[int] = typer.Option(None, "--max-samples", help="Read at most N conversations."),
@@ -82,7 +84,7 @@ def prepare(data: str = typer.Option(..., "--data", help="Hub dataset id, local 
 
     from dflash_train.data.prepare import prepare_dataset
 
-    summary = prepare_dataset(target, data, output, max_samples=max_samples, max_length=max_length,
+    summary = prepare_dataset(target, data[0] if len(data) == 1 else data, output, max_samples=max_samples, max_length=max_length,
                               split=split, subset=subset, max_turns=max_turns, overwrite=overwrite)
     typer.echo(json.dumps({k: v for k, v in summary.items() if k != "inputs"}, indent=2))
     typer.echo(f"wrote {output}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from pathlib import Path
 
@@ -25,15 +25,28 @@ SUMMARY_FILE = "prepare_summary.json"
 REQUIRED_COLUMNS = ("input_ids", "loss_mask", "messages")
 
 
-def prepare_dataset(target: str | None, source: str, output: str | Path, max_samples: int | None = None,
-                    max_length: int = 2048, split: str | None = None, subset: str | None = None,
-                    max_turns: int | None = None, overwrite: bool = False) -> dict:
+def prepare_dataset(target: str | None, source: str | Sequence[str], output: str | Path,
+                    max_samples: int | None = None, max_length: int = 2048, split: str | None = None,
+                    subset: str | None = None, max_turns: int | None = None, overwrite: bool = False,
+                    label: str | None = None) -> dict:
+    """Prepare one source, or several mixed (`max_samples` then applies to each; every row carries
+    its source's label in a `source` column). `label` labels a single source's rows."""
     from dflash_train.data.sources import load_conversations
     from dflash_train.features.target import load_tokenizer, resolve_target
 
+    many = not isinstance(source, (str, Path))
+    names = [str(s) for s in source] if many else [str(source)]
+    if not names:
+        raise DataError("--data: name at least one dataset")
+    labels = [default_label(n) for n in names] if many else ([label] if label else None)
+    if labels and len(set(labels)) < len(labels):
+        raise DataError(f"--data: two sources share the label {labels!r}; give datasets with distinct names")
     target_path = resolve_target(target)
-    inputs = {"command": "prepare", "target": target_path, "source": _source_id(source),
+    inputs = {"command": "prepare", "target": target_path,
+              "source": [_source_id(n) for n in names] if many else _source_id(names[0]),
               "max_samples": max_samples, "max_length": max_length, "split": split, "subset": subset}
+    if labels:
+        inputs["labels"] = labels
     if max_turns is not None:
         if max_turns < 1:
             raise DataError(f"--max-turns must be >= 1, got {max_turns}")
@@ -41,14 +54,24 @@ def prepare_dataset(target: str | None, source: str, output: str | Path, max_sam
     cached = cached_summary(output, inputs)
     if cached is not None:  # this command's own output, complete: reused, nothing is written
         return cached
-    sources = [source, target]
+    sources = [*names, target]
     plan_output(output, "--output", sources=sources, overwrite=overwrite)
     tokenizer = load_tokenizer(target_path)
-    conversations = load_conversations(source, split=split, subset=subset, max_samples=max_samples)
+    conversations, row_labels = [], []
+    for i, name in enumerate(names):
+        convs = load_conversations(name, split=split, subset=subset, max_samples=max_samples)
+        conversations += convs
+        row_labels += [labels[i]] * len(convs) if labels else []
     if max_turns is not None:
         conversations = [first_turns(c, max_turns) for c in conversations]
     return write_prepared(conversations, tokenizer, output, inputs, max_length=max_length, overwrite=overwrite,
-                          sources=sources)
+                          sources=sources, labels=row_labels or None)
+
+
+def default_label(source: str) -> str:
+    """A source's row label: the shipped name, a file's stem, a folder's or hub id's last part."""
+    path = Path(source)
+    return path.stem if path.suffix else str(source).rstrip("/").split("/")[-1]
 
 
 def first_turns(messages: list[dict], max_turns: int) -> list[dict]:
@@ -69,10 +92,11 @@ def first_turns(messages: list[dict], max_turns: int) -> list[dict]:
 
 def write_prepared(conversations: Iterable[list[dict]], tokenizer, output: str | Path, inputs: dict,
                    max_length: int = 2048, thinking: bool | None = None, extra: dict | None = None,
-                   overwrite: bool = False, sources=()) -> dict:
+                   overwrite: bool = False, sources=(), labels: Sequence[str | None] | None = None) -> dict:
     """Render, mask, count and save atomically; shared by prepare and regenerate.
 
-    An existing `output` is replaced only when it is an earlier toolkit output and `overwrite`."""
+    `labels` (one per conversation) become a `source` column. An existing `output` is replaced only
+    when it is an earlier toolkit output and `overwrite`."""
     import datasets
     from tqdm import tqdm
 
@@ -83,10 +107,14 @@ def write_prepared(conversations: Iterable[list[dict]], tokenizer, output: str |
     conversations = list(conversations)
     if not conversations:
         raise DataError("the dataset is empty: no conversations to prepare")
+    if labels is not None and len(labels) != len(conversations):
+        raise ValueError(f"{len(labels)} source labels for {len(conversations)} conversations")
     rows = {"input_ids": [], "loss_mask": [], "messages": []}
+    if labels is not None:
+        rows["source"] = []
     dropped: Counter[str] = Counter()
     truncated = 0
-    for messages in tqdm(conversations, desc="render", unit="conv", mininterval=1.0):
+    for n, messages in enumerate(tqdm(conversations, desc="render", unit="conv", mininterval=1.0)):
         row = renderer.render(messages)
         if isinstance(row, str):
             dropped[row] += 1
@@ -95,6 +123,8 @@ def write_prepared(conversations: Iterable[list[dict]], tokenizer, output: str |
         rows["input_ids"].append(row.input_ids)
         rows["loss_mask"].append(row.loss_mask)
         rows["messages"].append(json.dumps(messages, ensure_ascii=False))
+        if labels is not None:
+            rows["source"].append(labels[n] or "")
     if not rows["input_ids"]:
         raise DataError(f"no usable conversation: all {len(conversations)} were dropped ({dict(dropped)}); "
                         "check that the data has assistant turns and that --max-length is large enough")
@@ -115,15 +145,52 @@ def write_prepared(conversations: Iterable[list[dict]], tokenizer, output: str |
         "inputs": inputs,
         **(extra or {}),
     }
+    if labels is not None:
+        summary["rows_by_source"] = dict(sorted(Counter(rows["source"]).items()))
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
                                   "loss_mask": datasets.List(datasets.Value("int8")),
-                                  "messages": datasets.Value("string")})
+                                  "messages": datasets.Value("string"),
+                                  **({"source": datasets.Value("string")} if labels is not None else {})})
     ds = datasets.Dataset.from_dict(rows, features=features)
     need = 5 * summary["tokens"] + sum(len(m) for m in rows["messages"]) + 8 * vocab
     with folder_output(output, "--output", str(inputs.get("command", "prepare")), sources=sources,
                        overwrite=overwrite, need_bytes=need) as tmp:
         ds.save_to_disk(str(tmp))
         write_token_freq(tmp / TOKEN_FREQ_FILE, counts)
+        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def combine_prepared(parts: Sequence[str | Path], output: str | Path, inputs: dict, overwrite: bool = True) -> dict:
+    """Concatenate prepared folders (a mixture's sources, each labelled) into one, token counts summed.
+
+    A rerun with the same `inputs` on a complete folder reuses it."""
+    import datasets
+    import torch
+
+    from dflash_train.data.vocab import TOKEN_FREQ_FILE, read_token_freq, write_token_freq
+
+    cached = cached_summary(output, inputs)
+    if cached is not None:
+        return cached
+    sets = [load_prepared(p) for p in parts]
+    unlabelled = [str(p) for p, ds in zip(parts, sets, strict=True) if "source" not in ds.column_names]
+    if unlabelled:
+        raise DataError(f"--data {unlabelled[0]}: rows carry no `source` label; prepare it with a label to mix it")
+    counts = [read_token_freq(Path(p) / TOKEN_FREQ_FILE) for p in parts]
+    vocab = max(len(c) for c in counts)
+    total = sum(torch.nn.functional.pad(c, (0, vocab - len(c))) for c in counts)
+    summaries = [read_summary(p) for p in parts]
+    ds = datasets.concatenate_datasets([d.select_columns(["input_ids", "loss_mask", "messages", "source"])
+                                        for d in sets])
+    summary = {"rows": len(ds), "tokens": sum(int(s_.get("tokens", 0)) for s_ in summaries),
+               "supervised_tokens": int(total.sum()),
+               "rows_by_source": dict(sorted(Counter(ds["source"]).items())),
+               "target": inputs.get("target"), "parts": [str(p) for p in parts], "inputs": inputs}
+    with folder_output(output, "--output", str(inputs.get("command", "combine")), sources=list(parts),
+                       overwrite=overwrite, need_bytes=5 * summary["tokens"] + 8 * vocab) as tmp:
+        ds.save_to_disk(str(tmp))
+        write_token_freq(tmp / TOKEN_FREQ_FILE, total)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return summary
 

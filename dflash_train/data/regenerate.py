@@ -102,8 +102,9 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
             getattr(gen, "close", lambda: None)()
     conversations = [done[i]["messages"] for i in range(len(ds))]
     totals = {k: sum(int(done[i].get(k, 0)) for i in range(len(ds))) for k in stats}
+    labels = ds["source"] if "source" in ds.column_names else None  # a mixture's labels travel with the rows
     summary = write_prepared(conversations, tokenizer, output, inputs, max_length=max_length, thinking=thinking,
-                             extra={"regeneration": totals}, overwrite=overwrite, sources=sources)
+                             extra={"regeneration": totals}, overwrite=overwrite, sources=sources, labels=labels)
     discard_folder(work)
     return summary
 

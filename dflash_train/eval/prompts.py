@@ -84,9 +84,21 @@ def _labelled_heldout(holdout_file: str | Path, max_prompts: int | None) -> list
     if not rows:
         raise DataError(f"--prompts {path}: the run held out no rows; set data.holdout_fraction > 0")
     ds = load_prepared(data)
+    if "source" in ds.column_names:
+        rows = interleave_by_label(rows, [ds[i]["source"] for i in rows])
     labelled = "source" in ds.column_names
     return [(user_turns(json.loads(ds[i]["messages"])), _label(ds[i]["source"]) if labelled else None)
             for i in rows[:max_prompts]]
+
+
+def interleave_by_label(rows: list[int], labels: list[str]) -> list[int]:
+    """Rows taken round-robin over their labels (each label's rows in their order), so the first N
+    held-out prompts of a mixture cover every source about equally."""
+    groups: dict[str, list[int]] = {}
+    for row, label in zip(rows, labels, strict=True):
+        groups.setdefault(label, []).append(row)
+    queues = [groups[k] for k in sorted(groups)]
+    return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
 
 
 def load_prompts(source: str, split: str | None = None, subset: str | None = None,

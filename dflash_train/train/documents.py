@@ -28,28 +28,59 @@ def _key(obj) -> str:
 
 
 def data_cache_root(data: DataConfig, target_path: str) -> Path:
-    from dflash_train.features.target import cache_dir
-
-    base = Path(data.cache_dir) if data.cache_dir else cache_dir() / "data"
     ident = {"target": target_path, **data.model_dump(mode="json", exclude={"features", "holdout_fraction",
-                                                                             "cache_dir", "feature_cache"})}
-    return base / _key(ident)
+                                                                             "cache_dir", "feature_cache",
+                                                                             "train_fraction"})}
+    return _cache_base(data) / _key(ident)
 
 
 def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
-    """The folder of prepared (and possibly regenerated) rows, building and caching it if needed."""
+    """The folder of prepared (and possibly regenerated) rows, building and caching it if needed.
+
+    A mixture (`data.source` a list) prepares and regenerates each source on its own, cached under
+    a key of that source's settings alone (so another mixture, or another count of one source,
+    reuses the others' regenerated rows), then concatenates them with a `source` label per row."""
     if data.prepared:
         path = Path(data.prepared)
         if not path.exists():
             raise DataError(f"data.prepared: {path} does not exist; run `dflash-train prepare` or set data.source")
         return path
+    if not isinstance(data.source, list):
+        return _source_rows(data, target_path, seed, data.source, data.max_samples, data.split, data.subset, None,
+                            data_cache_root(data, target_path))
+    from dflash_train.data.prepare import combine_prepared
+    from dflash_train.train.recipe import source_label
+
+    parts = []
+    for spec in data.source:
+        max_samples = spec.max_samples or data.max_samples
+        ident = {"target": target_path, "source": spec.source, "max_samples": max_samples, "split": spec.split,
+                 "subset": spec.subset, "label": source_label(spec), "max_length": data.max_length,
+                 "max_turns": data.max_turns, "regenerate": data.regenerate.model_dump(mode="json")}
+        parts.append(_source_rows(data, target_path, seed, spec.source, max_samples, spec.split, spec.subset,
+                                  source_label(spec), _cache_base(data) / "sources" / _key(ident)))
+    mixed = data_cache_root(data, target_path) / "mixed"
+    inputs = {"command": "combine", "target": target_path,
+              "parts": [{"path": str(p), "fingerprint": load_rows(p)._fingerprint} for p in parts]}
+    combine_prepared(parts, mixed, inputs)
+    return mixed
+
+
+def _cache_base(data: DataConfig) -> Path:
+    from dflash_train.features.target import cache_dir
+
+    return Path(data.cache_dir) if data.cache_dir else cache_dir() / "data"
+
+
+def _source_rows(data: DataConfig, target_path: str, seed: int, source: str, max_samples: int | None,
+                 split: str | None, subset: str | None, label: str | None, root: Path) -> Path:
+    """One source prepared (and regenerated) under `root`."""
     from dflash_train.data.prepare import prepare_dataset
 
-    root = data_cache_root(data, target_path)
     prepared = root / "prepared"
     # the cache's folders are the toolkit's own: a stale one (its source file changed) is replaced
-    prepare_dataset(target_path, data.source, prepared, max_samples=data.max_samples, max_length=data.max_length,
-                    split=data.split, subset=data.subset, max_turns=data.max_turns, overwrite=True)
+    prepare_dataset(target_path, source, prepared, max_samples=max_samples, max_length=data.max_length,
+                    split=split, subset=subset, max_turns=data.max_turns, overwrite=True, label=label)
     if not data.regenerate.enabled:
         return prepared
     from dflash_train.data.regenerate import regenerate_dataset
@@ -75,6 +106,21 @@ def holdout_split(num_rows: int, fraction: float, seed: int) -> tuple[list[int],
     held = sorted(random.Random(f"holdout-{seed}").sample(range(num_rows), k))
     held_set = set(held)
     return [i for i in range(num_rows) if i not in held_set], held
+
+
+def fraction_of_rows(rows: list[int], fraction: float, seed: int, labels: list[str] | None = None) -> list[int]:
+    """A seeded `fraction` of `rows`, sorted: the same share of each label's rows when labelled, and
+    nested (a smaller fraction's rows are inside a larger one's), so data-size curves compare like with like."""
+    if fraction >= 1:
+        return list(rows)
+    groups: dict[str, list[int]] = {}
+    for i in rows:
+        groups.setdefault(labels[i] if labels else "", []).append(i)
+    keep = []
+    for label, members in sorted(groups.items()):
+        order = random.Random(f"fraction-{seed}-{label}").sample(members, len(members))
+        keep += order[:max(1, round(len(members) * fraction))]
+    return sorted(keep)
 
 
 class DocumentSource:

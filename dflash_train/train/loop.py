@@ -27,7 +27,14 @@ from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.train import checkpointing as ckpt
 from dflash_train.train.batches import build_microbatch, head_weight, microbatch_loss
 from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, step_kernels
-from dflash_train.train.documents import DocumentSource, holdout_split, load_rows, offline_cache, prepared_rows
+from dflash_train.train.documents import (
+    DocumentSource,
+    fraction_of_rows,
+    holdout_split,
+    load_rows,
+    offline_cache,
+    prepared_rows,
+)
 from dflash_train.train.engine import World, all_reduce_sum, barrier, build_engine, init_distributed
 from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.loss import BlockStats
@@ -232,7 +239,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
         raise ConfigError(f"--resume {resume}: use --resume (a checkpoint must exist) or --resume auto")
     notify = notify or (lambda msg: warnings.warn(msg, stacklevel=2))
     d = recipe.data
-    sources = [*sources, recipe.target, d.prepared, d.source, d.feature_cache, recipe.drafter.init_from]
+    sources = [*sources, recipe.target, d.prepared, *d.source_names(), d.feature_cache, recipe.drafter.init_from]
     world = init_distributed()
     resolve_attention(recipe.objective.attention, world.device)  # refuse flex without CUDA before loading
     _check_output(output, resolved, resume, sources)
@@ -252,6 +259,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     check_writable(output, "--output", _space_needed(drafter, recipe), inside=output.is_dir())
     rows = load_rows(data_path)
     train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.seed)
+    train_rows = fraction_of_rows(train_rows, recipe.data.train_fraction, recipe.seed,
+                                  list(rows["source"]) if "source" in rows.column_names else None)
     cache = None
     if recipe.data.features == "offline":
         cache = offline_cache(recipe.data, target_path, data_path, drafter.config.target_layer_ids)
@@ -334,7 +343,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
         train_last, val_last = log.last("train"), log.last("val")
         summary = {
             "target": str(recipe.target or target_path), "data": str(data_path),
-            "data_source": recipe.data.source or recipe.data.prepared,
+            "data_source": recipe.data.prepared or ", ".join(recipe.data.source_names()),
             "steps": plan.total, "tokens": state["tokens"], "trained_positions": state["positions"],
             "train_loss": train_last and train_last["loss"], "val_loss": val_last and val_last["loss"],
             "train_acc_per_position": train_last and train_last["acc"],

@@ -26,11 +26,23 @@ class RegenerateConfig(_Section):
     temperature: float = Field(0.0, ge=0)
     thinking: bool | None = None
     engine: Literal["hf", "vllm", "auto"] = "hf"  # auto: vLLM where it runs (here or its venv), else hf
-    batch_size: int = Field(8, gt=0)
+    batch_size: int | None = Field(None, gt=0)  # conversations per generate call; null: 8 on CPU, 16384 on CUDA
+
+
+class SourceConfig(_Section):
+    """One source of a data mixture (`data.source` as a list)."""
+
+    source: str  # dataset name or path, as `data.source`
+    max_samples: int | None = Field(None, gt=0)  # default: data.max_samples
+    split: str | None = None
+    subset: str | None = None
+    label: str | None = None  # the rows' `source` label (eval reports tau per label); default: from `source`
 
 
 class DataConfig(_Section):
-    source: str | None = None  # dataset name or path for the data stage's prepare_dataset
+    # dataset name or path for the data stage's prepare_dataset, or a list of sources to mix (each
+    # prepared and regenerated once and cached on its own; the rows carry a `source` label)
+    source: str | list[SourceConfig] | None = None
     prepared: str | None = None  # an already prepared folder (skips prepare and regenerate)
     max_samples: int | None = Field(None, gt=0)
     max_length: int = Field(2048, gt=1)
@@ -42,13 +54,36 @@ class DataConfig(_Section):
     features: Literal["online", "memory", "offline"] = "online"
     feature_cache: str | None = None  # an existing offline cache folder (features: offline)
     holdout_fraction: float = Field(0.05, ge=0, lt=1)
+    # train on this fraction of the training rows (the same rows in every source's proportion; the
+    # held-out rows and every cache are unchanged, so runs on 1/4, 1/2 and all rows compare directly)
+    train_fraction: float = Field(1.0, gt=0, le=1)
     cache_dir: str | None = None  # where prepared data is cached (default $DFLASH_CACHE/data)
+
+    def source_names(self) -> list[str]:
+        """The dataset names or paths of `source` (one, or each of a mixture's)."""
+        if self.source is None:
+            return []
+        return [self.source] if isinstance(self.source, str) else [s.source for s in self.source]
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
         if self.source is None and self.prepared is None:
             raise ValueError("data: set `source` (a dataset to prepare) or `prepared` (a prepared folder)")
+        if isinstance(self.source, list):
+            if not self.source:
+                raise ValueError("data.source: an empty list; name at least one source")
+            labels = [source_label(s) for s in self.source]
+            dup = sorted({x for x in labels if labels.count(x) > 1})
+            if dup:
+                raise ValueError(f"data.source: two sources share the label {dup[0]!r}; give each a distinct `label`")
         return self
+
+
+def source_label(spec: SourceConfig) -> str:
+    """A mixture source's row label: its `label`, else the shipped name / file stem / hub id."""
+    if spec.label:
+        return spec.label
+    return Path(spec.source).stem if Path(spec.source).suffix else spec.source.rstrip("/").split("/")[-1]
 
 
 class DrafterConfig(_Section):

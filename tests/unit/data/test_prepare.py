@@ -91,3 +91,47 @@ def test_max_turns_keeps_the_first_exchanges(tmp_path, smollm2_path):
     assert len(full[1]["input_ids"]) > len(ds[1]["input_ids"])  # the second exchange is gone
     with pytest.raises(DataError, match="--max-turns must be >= 1"):
         prepare_dataset(None, src, tmp_path / "bad", max_turns=0)
+
+
+def test_mixed_sources_are_labelled_and_capped_each(tmp_path, smollm2_path):
+    chats = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
+             for i in range(5)]
+    code = [{"prompt": f"write f{i}", "response": f"def f{i}(): pass"} for i in range(3)]
+    a, b = write_jsonl(tmp_path / "chat.jsonl", chats), write_jsonl(tmp_path / "code.jsonl", code)
+    out = tmp_path / "mixed"
+    summary = prepare_dataset(None, [a, b], out, max_samples=4, max_length=96)
+    ds = load_prepared(out)
+    assert ds["source"] == ["chat"] * 4 + ["code"] * 3  # --max-samples caps each source
+    assert summary["rows_by_source"] == {"chat": 4, "code": 3}
+    assert json.loads(ds[4]["messages"])[0]["content"] == "write f0"
+    assert prepare_dataset(None, [a, b], out, max_samples=4, max_length=96).get("cached")
+    # one source: no label column, as before
+    assert "source" not in load_prepared(prepare_dataset(None, a, tmp_path / "one", max_length=96)
+                                         and tmp_path / "one").column_names
+    with pytest.raises(DataError, match="--data: two sources share the label"):
+        prepare_dataset(None, [a, str(tmp_path / "sub" / "chat.jsonl")], tmp_path / "dup", max_length=96)
+
+
+def test_combine_concatenates_labelled_parts_and_sums_token_counts(tmp_path, smollm2_path):
+    from dflash_train.data.prepare import combine_prepared
+
+    parts = []
+    for name, n in (("chat", 3), ("math", 2)):
+        src = write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": f"{name} {i}?", "response": f"answer {i}"}
+                                                     for i in range(n)])
+        prepare_dataset(None, src, tmp_path / name, max_length=64, label=name)
+        parts.append(tmp_path / name)
+    out = tmp_path / "both"
+    summary = combine_prepared(parts, out, {"command": "combine", "parts": [str(p) for p in parts]})
+    ds = load_prepared(out)
+    assert ds["source"] == ["chat"] * 3 + ["math"] * 2 and summary["rows_by_source"] == {"chat": 3, "math": 2}
+    expected = sum(read_token_freq(p) for p in parts)
+    assert read_token_freq(out).tolist() == expected.tolist() and summary["supervised_tokens"] == int(expected.sum())
+    stamp = (out / "dataset_info.json").stat().st_mtime_ns
+    assert combine_prepared(parts, out, {"command": "combine", "parts": [str(p) for p in parts]}).get("cached")
+    assert (out / "dataset_info.json").stat().st_mtime_ns == stamp
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "q", "response": "a"}])
+    prepare_dataset(None, plain, tmp_path / "plain", max_length=64)
+    with pytest.raises(DataError, match=r"--data .*plain: rows carry no `source` label"):
+        combine_prepared([parts[0], tmp_path / "plain"], tmp_path / "bad", {"command": "combine"})
+    assert not (tmp_path / "bad").exists()

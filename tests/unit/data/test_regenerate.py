@@ -201,3 +201,12 @@ def test_vllm_engine_in_its_own_venv_matches_hf_greedy(tmp_path, prepared, smoll
     a, b = load_prepared(tmp_path / "hf"), load_prepared(tmp_path / "vllm")
     assert a["messages"] == b["messages"] and a["input_ids"] == b["input_ids"]
     assert not (tmp_path / "vllm.partial").exists()
+
+
+def test_source_labels_travel_through_regeneration(tmp_path, smollm2, one_thread):
+    labels = ["chat", "math", "chat"]
+    write_prepared(CONVS, smollm2[1], tmp_path / "in", {"command": "prepare", "max_length": 128}, max_length=128,
+                   labels=labels)
+    summary = regen.regenerate_dataset(None, tmp_path / "in", tmp_path / "out", max_new_tokens=2, batch_size=3)
+    assert load_prepared(tmp_path / "out")["source"] == labels
+    assert summary["rows_by_source"] == {"chat": 2, "math": 1}

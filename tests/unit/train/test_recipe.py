@@ -105,3 +105,22 @@ logging: {{log_every: 1, eval_every: 100, progress: false}}
         assert line in resolved, line
     final = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert final["transformer_layer_config"]["num_hidden_layers"] == 2 and final["block_size"] == 6
+
+
+def test_a_data_mixture_lists_sources_with_their_own_counts_and_labels():
+    r = load_recipe(None, ["data.train_fraction=0.25"],
+                    base={"data": {"max_samples": 100, "source": [{"source": "chitchat"},
+                                                                  {"source": "/d/code.jsonl", "max_samples": 7},
+                                                                  {"source": "org/math-set", "label": "math"}]}})
+    from dflash_train.train.recipe import source_label
+
+    data = r.recipe.data
+    assert [source_label(s) for s in data.source] == ["chitchat", "code", "math"]
+    assert data.source_names() == ["chitchat", "/d/code.jsonl", "org/math-set"]
+    assert data.source[1].max_samples == 7 and data.train_fraction == 0.25
+    with pytest.raises(ConfigError, match="two sources share the label 'chat'"):
+        load_recipe(None, [], base={"data": {"source": [{"source": "a/chat"}, {"source": "b/chat.json"}]}})
+    with pytest.raises(ConfigError, match="data.source"):
+        load_recipe(None, [], base={"data": {"source": [{"name": "chitchat"}]}})
+    with pytest.raises(ConfigError, match="train_fraction"):
+        load_recipe(None, ["data.train_fraction=0"], base={"data": {"source": "chitchat"}})

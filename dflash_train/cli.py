@@ -269,6 +269,8 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
     table.add_column("what")
     table.add_column("value", overflow="fold")
     table.add_row("tau (tokens per target forward)", f"{s['tau']:.3f}  (block size {s['block_size']})")
+    for label, v in (s.get("per_source") or {}).items():
+        table.add_row(f"tau on held-out {label} prompts", f"{v['tau']:.3f}  ({v['prompts']} prompts)")
     table.add_row("per-position acceptance", " ".join(f"{r:.2f}" for r in s["per_position"]))
     table.add_row("committed-length histogram", " ".join(str(c) for c in s["histogram"]))
     table.add_row("speedup over plain decoding", f"{s['speedup']:.2f}x" if s["speedup"] else "n/a")
@@ -286,6 +288,25 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
     table.add_row("serve (dry run)", s["serve_command"] or "")
     table.add_row("stage seconds", " ".join(f"{k}={v}" for k, v in s["stage_seconds"].items()))
     Console(width=160).print(table)
+
+
+@app.command("sweep")
+def sweep(output: Path = typer.Option(..., "--output", help="Sweep folder: one run folder per setting and fraction."),
+          config: Optional[Path] = typer.Option(None, "--config", help="Recipe (default: recipes/smollm2-135m-demo.yaml)."),
+          overrides: list[str] = typer.Option([], "--set", help="Override a recipe field in every run."),
+          variants: list[str] = typer.Option([], "--variant", help="A setting to compare with the baseline: "
+                                             "'NAME: key=value key=value' (repeatable)."),
+          fractions: str = typer.Option("1", "--fractions", help="Shares of the training rows to train on, e.g. "
+                                        "0.25,0.5,1 (a curve of tau against data)."),
+          num_prompts: int = typer.Option(24, "--num-prompts", help="Held-out prompts per eval (alternating sources)."),
+          max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per eval prompt.")) -> None:
+    """Train a recipe under several settings and data sizes; table of held-out tau per source."""
+    from dflash_train.sweep import markdown_table, parse_fractions, parse_variant, run_sweep
+
+    result = run_sweep(output, config, overrides, [parse_variant(v) for v in variants], parse_fractions(fractions),
+                       num_prompts, max_new_tokens)
+    typer.echo(markdown_table(result), nl=False)
+    typer.echo(f"wrote {output / 'sweep.json'}, {output / 'sweep.md'}")
 
 
 def bare_resume(argv: list[str]) -> list[str]:

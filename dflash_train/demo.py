@@ -11,78 +11,34 @@ complete is skipped, so an interrupted demo resumes where it stopped. OUT is the
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_train.errors import DFlashError
+from dflash_train.stages import Stage, command_path, run_stage
 
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m-demo.yaml"
-
-
-@dataclass
-class Stage:
-    name: str
-    argv: list[str]
-    done: Path | None = None  # this file exists when the stage's output is complete
-    allowed_exit: tuple[int, ...] = (0,)
-    seconds: float = 0.0
-    status: str = "pending"
-    output: list[str] = field(default_factory=list)
-
-
-def _bin(name: str) -> str:
-    """The installed console script next to this interpreter (or on PATH)."""
-    local = Path(sys.executable).parent / name
-    return str(local) if local.exists() else (shutil.which(name) or name)
 
 
 def demo_stages(out: Path, recipe: Path, overrides: list[str], max_prompts: int, max_new_tokens: int) -> list[Stage]:
     run, drafter = out / "run", out / "drafter"
     sets = [a for o in overrides for a in ("--set", o)]
     return [
-        Stage("train", [_bin("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
+        Stage("train", [command_path("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
                         "--set", "eval.enabled=false", *sets, "--resume", "auto"],
               done=run / "summary.json"),
-        Stage("convert", [_bin("dflash-convert"), "to-speculators", str(run), str(drafter), "--overwrite"],
+        Stage("convert", [command_path("dflash-convert"), "to-speculators", str(run), str(drafter), "--overwrite"],
               done=drafter / "config.json"),
-        Stage("eval", [_bin("dflash-train"), "eval", "--draft", str(drafter), "--prompts", str(run),
+        Stage("eval", [command_path("dflash-train"), "eval", "--draft", str(drafter), "--prompts", str(run),
                        "--num-prompts", str(max_prompts), "--max-new-tokens", str(max_new_tokens),
                        "--json", str(out / "eval.json"), "--plot", str(out / "eval.png"), "--overwrite"],
               done=out / "eval.json"),
-        Stage("validate", [_bin("dflash-convert"), "validate", str(drafter), "--target", "default",
+        Stage("validate", [command_path("dflash-convert"), "validate", str(drafter), "--target", "default",
                            "--json"]),
         # a reduced-vocab drafter is refused by SGLang's format unless rebuilt with the full head
-        Stage("to-zlab", [_bin("dflash-convert"), "to-zlab", str(drafter), str(out / "drafter-zlab"),
+        Stage("to-zlab", [command_path("dflash-convert"), "to-zlab", str(drafter), str(out / "drafter-zlab"),
                           "--expand-vocab", "--overwrite"], done=out / "drafter-zlab" / "config.json"),
-        Stage("serve", [_bin("dflash-serve"), str(drafter), "--dry-run"]),
+        Stage("serve", [command_path("dflash-serve"), str(drafter), "--dry-run"]),
     ]
-
-
-def _run_stage(stage: Stage, log) -> None:
-    t0 = time.time()
-    if stage.done is not None and stage.done.exists():
-        stage.status = "cached"
-        print(f"[demo] {stage.name:9s} cached ({stage.done})", flush=True)
-        return
-    print(f"[demo] {stage.name:9s} $ {' '.join(stage.argv)}", flush=True)
-    log.write(f"\n$ {' '.join(stage.argv)}\n")
-    log.flush()
-    # stderr carries the progress bars: let it through to the terminal; keep stdout for the summary
-    proc = subprocess.Popen(stage.argv, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
-    for line in proc.stdout:
-        stage.output.append(line.rstrip("\n"))
-        log.write(line)
-    code = proc.wait()
-    stage.seconds = time.time() - t0
-    if code not in stage.allowed_exit:
-        tail = "\n".join(stage.output[-15:])
-        raise DFlashError(f"demo stage `{stage.name}` failed (exit {code}); its output:\n{tail}")
-    stage.status = "ok"
-    print(f"[demo] {stage.name:9s} ok in {stage.seconds:.0f}s", flush=True)
 
 
 def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, overrides: list[str] | None = None,
@@ -98,7 +54,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     t0 = time.time()
     with open(out / "demo.log", "a") as log:
         for stage in stages:
-            _run_stage(stage, log)
+            run_stage(stage, log)
     from dflash_train.eval.teacher_forced import headline as teacher_forced_headline
 
     train_summary = json.loads((out / "run" / "summary.json").read_text())
@@ -108,6 +64,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     summary = {
         "tau": report["tau"], "per_position": report["per_position"], "histogram": report["histogram"],
         "speedup": report["speedup"], "lossless": report["lossless"], "prompts": len(report["prompts"]),
+        "per_source": report.get("per_source"),
         "teacher_forced": teacher_forced_headline(report.get("teacher_forced")),
         "max_new_tokens": max_new_tokens, "block_size": report["settings"].get("block_size"),
         "train_steps": train_summary.get("steps"), "train_rows": train_summary.get("train_rows"),

@@ -1,0 +1,195 @@
+"""`dflash-train sweep`: one recipe trained under several settings and data sizes, each run
+evaluated on the same held-out prompts, with held-out tau per prompt source in one table.
+
+Runs are variants x fractions. A variant is a name and `--set` overrides (`baseline`, without
+overrides, comes first); a fraction trains on that share of the training rows
+(`data.train_fraction`, nested and in each source's proportion). The held-out rows, the prepared
+and regenerated rows and the offline feature cache are shared by every run, so a run costs its
+training and its eval only. Each run is `dflash-train train` then `dflash-train eval --no-speedup`
+in a subprocess, into `OUT/<variant>-f<fraction>/` (its eval report beside it, `.eval.json`); a finished run is skipped, so an interrupted
+sweep resumes. Writes `OUT/sweep.json`, `OUT/sweep.md` (the table) and `OUT/sweep.png` (tau
+against training rows, per source and variant).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_train.errors import ConfigError
+from dflash_train.stages import Stage, command_path, run_stage
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[str, ...] = ()
+
+
+def parse_variant(text: str) -> Variant:
+    """`NAME: key=value key=value` (values as in `--set`, no spaces inside one) -> Variant."""
+    name, sep, rest = text.partition(":")
+    name = name.strip()
+    if not sep or not _NAME.match(name):
+        raise ConfigError(f"--variant {text!r}: write it as `NAME: key=value ...` (NAME of letters, digits, . _ -)")
+    overrides = tuple(rest.split())
+    bad = [o for o in overrides if "=" not in o]
+    if not overrides or bad:
+        raise ConfigError(f"--variant {text!r}: needs `key=value` overrides after the colon"
+                          + (f"; {bad[0]!r} has no `=`" if bad else ""))
+    return Variant(name, overrides)
+
+
+def parse_fractions(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--fractions {text!r}: give comma-separated numbers in (0, 1], e.g. 0.25,0.5,1") from None
+    if not values or any(not 0 < v <= 1 for v in values):
+        raise ConfigError(f"--fractions {text!r}: every fraction must be in (0, 1], e.g. 0.25,0.5,1")
+    return sorted(set(values))
+
+
+def run_folder(out: Path, variant: Variant, fraction: float) -> Path:
+    return out / f"{variant.name}-f{fraction:g}"
+
+
+def eval_path(run: Path) -> Path:
+    """A run's eval report, beside the run folder (eval refuses to write inside the drafter it reads)."""
+    return run.with_name(f"{run.name}.eval.json")
+
+
+def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant, fraction: float,
+                 num_prompts: int, max_new_tokens: int, target: str | None = None) -> list[Stage]:
+    """`target`: the recipe's target (eval's `--target`; None: the embedded default)."""
+    run = run_folder(out, variant, fraction)
+    sets = [a for o in ("data.features=offline", "eval.enabled=false", *overrides, *variant.overrides,
+                        f"data.train_fraction={fraction:g}") for a in ("--set", o)]
+    return [
+        Stage("train", [command_path("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
+                        *sets, "--resume", "auto"], done=run / "summary.json"),
+        Stage("eval", [command_path("dflash-train"), "eval", "--draft", str(run), "--prompts", str(run),
+                       *(["--target", target] if target else []),
+                       "--num-prompts", str(num_prompts), "--max-new-tokens", str(max_new_tokens), "--no-speedup",
+                       "--json", str(eval_path(run)), "--overwrite"], done=eval_path(run)),
+    ]
+
+
+def run_result(run: Path, variant: Variant, fraction: float, seconds: dict) -> dict:
+    summary = json.loads((run / "summary.json").read_text())
+    report = json.loads(eval_path(run).read_text())
+    tf = report.get("teacher_forced") or {}
+    return {
+        "variant": variant.name, "overrides": list(variant.overrides), "fraction": fraction,
+        "train_rows": summary.get("train_rows"), "steps": summary.get("steps"),
+        "val_accept_len": summary.get("val_accept_len"), "tau": report["tau"],
+        "tau_by_source": {k: v["tau"] for k, v in (report.get("per_source") or {}).items()},
+        "prompts": len(report.get("prompts", [])),
+        "teacher_forced_at_decode_steps": tf.get("at_decode_steps"),
+        "train_seconds": summary.get("wall_time_s") or seconds.get("train"), "run": str(run),
+        "eval": str(eval_path(run)),
+    }
+
+
+def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list[str] | None = None,
+              variants: list[Variant] | None = None, fractions: list[float] | None = None,
+              num_prompts: int = 24, max_new_tokens: int = 64) -> dict:
+    """Every run (skipping finished ones), then the table; returns what `OUT/sweep.json` holds."""
+    from dflash_train.demo import DEMO_RECIPE
+    from dflash_train.outputs import ensure_folder, folder_stamp, plan_output
+
+    out = Path(out)
+    recipe = Path(recipe) if recipe else DEMO_RECIPE
+    if not recipe.is_file():
+        raise ConfigError(f"--config {recipe}: no such recipe file")
+    variants = [Variant("baseline"), *(variants or [])]
+    names = [v.name for v in variants]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--variant: two variants are named {sorted(n for n in names if names.count(n) > 1)[0]!r}")
+    fractions = fractions or [1.0]
+    from dflash_train.train.recipe import load_recipe
+
+    # every run's recipe is checked before the first one trains (a typo fails now, not an hour in)
+    targets = {v.name: load_recipe(recipe, [*(overrides or []), *v.overrides]).recipe.target for v in variants}
+    own = (folder_stamp(out) or {}).get("command") == "sweep"
+    ensure_folder(plan_output(out, "--output", sources=[recipe], own=own, overwrite=None), "sweep")
+    results = []
+    with open(out / "sweep.log", "a") as log:
+        for variant in variants:
+            for fraction in fractions:
+                stages = sweep_stages(out, recipe, overrides or [], variant, fraction, num_prompts, max_new_tokens,
+                                      targets[variant.name])
+                tag = f"[{variant.name} x{fraction:g}]"
+                for stage in stages:
+                    run_stage(stage, log, prefix=tag)
+                run = run_folder(out, variant, fraction)
+                results.append(run_result(run, variant, fraction, {s.name: s.seconds for s in stages}))
+    sweep = {"recipe": str(recipe), "overrides": overrides or [], "num_prompts": num_prompts,
+             "max_new_tokens": max_new_tokens, "runs": results}
+    write_outputs(out, sweep)
+    return sweep
+
+
+def sources_of(results: list[dict]) -> list[str]:
+    return sorted({s for r in results for s in r["tau_by_source"]})
+
+
+def markdown_table(sweep: dict) -> str:
+    results = sweep["runs"]
+    sources = sources_of(results)
+    head = ["setting", "overrides", "train rows", "steps", "train min", "val accept len", "tau (all)",
+            *[f"tau {s}" for s in sources]]
+
+    def num(x, f="{:.2f}"):
+        return "-" if x is None else f.format(x)
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        name = r["variant"] + ("" if r["fraction"] == 1 else f" ({r['fraction']:g} of the rows)")
+        cells = [name, " ".join(f"`{o}`" for o in r["overrides"]) or "-", str(r["train_rows"]), str(r["steps"]),
+                 num(r["train_seconds"] and r["train_seconds"] / 60, "{:.1f}"), num(r["val_accept_len"]),
+                 num(r["tau"]), *[num(r["tau_by_source"].get(s)) for s in sources]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, sweep: dict) -> None:
+    from convert.weights import write_json
+
+    write_json(out / "sweep.json", sweep)
+    tmp = out / ".sweep.md.tmp"
+    tmp.write_text(markdown_table(sweep))
+    tmp.replace(out / "sweep.md")
+    if len({r["fraction"] for r in sweep["runs"]}) > 1:
+        plot_curves(sweep, out / "sweep.png")
+
+
+def plot_curves(sweep: dict, path: Path) -> None:
+    """Held-out tau against training rows: one line per variant and source (and all prompts)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = sweep["runs"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant in dict.fromkeys(r["variant"] for r in results):
+        runs = sorted((r for r in results if r["variant"] == variant), key=lambda r: r["train_rows"])
+        xs = [r["train_rows"] for r in runs]
+        ax.plot(xs, [r["tau"] for r in runs], marker="o", label=f"{variant}: all prompts")
+        for s in sources_of(runs):
+            ax.plot(xs, [r["tau_by_source"].get(s) for r in runs], marker=".", linestyle="--", label=f"{variant}: {s}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training rows")
+    ax.set_ylabel("held-out tau (tokens per target forward)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)

@@ -1,0 +1,122 @@
+"""`dflash-train sweep`: settings x data fractions, each trained and evaluated on the same held-out
+prompts, with tau per source; a rerun resumes (every finished run is skipped)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+def _labelled_rows(folder, target):
+    from transformers import AutoTokenizer
+
+    from dflash_train.data.prepare import write_prepared
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    convs, labels = [], []
+    for i in range(16):
+        convs.append([{"role": "user", "content": f"What is {i} plus {i + 3}?"},
+                      {"role": "assistant", "content": f"{i} plus {i + 3} is {2 * i + 3}."}])
+        labels.append("math")
+        convs.append([{"role": "user", "content": f"Say hello to friend number {i}."},
+                      {"role": "assistant", "content": f"Hello, friend number {i}! Nice to see you."}])
+        labels.append("chat")
+    write_prepared(convs, tok, folder, {"command": "test"}, max_length=128, labels=labels)
+    return folder
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_sweep_trains_every_setting_and_fraction_and_reports_tau_per_source(tmp_path, train_tiny_target):
+    rows = _labelled_rows(tmp_path / "rows", train_tiny_target)
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(f"""target: {train_tiny_target}
+data: {{prepared: {rows}, holdout_fraction: 0.25, cache_dir: {tmp_path / 'cache'}}}
+drafter: {{num_layers: 1, block_size: 4, mask_token_id: 16, target_layer_ids: [1, 2, 3, 4, 5]}}
+objective: {{anchors_per_document: 16, logits_chunk: 256}}
+optim: {{lr: 1.0e-3, epochs: 1}}
+batch: {{tokens_per_microbatch: 256}}
+logging: {{log_every: 1, eval_every: 100, progress: false}}
+""")
+    out = tmp_path / "sweep"
+    argv = [str(BIN / "dflash-train"), "sweep", "--config", str(recipe), "--output", str(out),
+            "--fractions", "0.5,1",
+            "--num-prompts", "4", "--max-new-tokens", "6"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=1200, env=env)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    sweep = json.loads((out / "sweep.json").read_text())
+    runs = {(r["variant"], r["fraction"]): r for r in sweep["runs"]}
+    assert sorted(runs) == [("baseline", 0.5), ("baseline", 1.0)]
+    # 32 rows, 8 held out: 24 training rows, 12 per source; half of each source at 0.5
+    assert runs["baseline", 1.0]["train_rows"] == 24 and runs["baseline", 0.5]["train_rows"] == 12
+    held = json.loads((out / "baseline-f1" / "holdout_rows.json").read_text())["rows"]
+    for r in runs.values():
+        assert json.loads((Path(r["run"]) / "holdout_rows.json").read_text())["rows"] == held  # the same prompts
+        report = json.loads(Path(r["eval"]).read_text())
+        assert [p["source"] for p in report["prompts"]] == ["chat", "math", "chat", "math"]
+        assert set(r["tau_by_source"]) == {"chat", "math"} and 1.0 <= r["tau"] <= 4.0
+        assert r["tau_by_source"] == {k: v["tau"] for k, v in report["per_source"].items()}
+    assert runs["baseline", 0.5]["steps"] < runs["baseline", 1.0]["steps"]
+    assert "train_fraction: 0.5" in (out / "baseline-f0.5" / "resolved_config.yaml").read_text()
+    table = (out / "sweep.md").read_text().splitlines()
+    assert len(table) == 2 + 2 and "tau chat" in table[0] and "tau math" in table[0]
+    assert table[2].startswith("| baseline (0.5 of the rows) | - | 12 |") and res.stdout.count("| baseline") == 2
+    assert (out / "sweep.png").stat().st_size > 10_000
+
+    # a rerun trains nothing: every stage is cached, and the table is the same
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("cached") == 4 and " ok in " not in again.stdout
+    assert json.loads((out / "sweep.json").read_text())["runs"] == sweep["runs"]
+
+
+def test_bad_variants_and_fractions_are_named():
+    from dflash_train.errors import ConfigError
+    from dflash_train.sweep import parse_fractions, parse_variant
+
+    assert parse_variant("kl: objective.loss=kl optim.lr=1e-3").overrides == ("objective.loss=kl", "optim.lr=1e-3")
+    assert parse_fractions("1,0.25, 0.5") == [0.25, 0.5, 1.0]
+    for text, match in (("objective.loss=kl", "NAME: key=value"), ("kl:", "needs `key=value`"),
+                        ("kl: objective.loss", "'objective.loss' has no `=`"), ("a b: x=1", "NAME: key=value")):
+        with pytest.raises(ConfigError, match=match):
+            parse_variant(text)
+    for text in ("0", "1.5", "a,b", ""):
+        with pytest.raises(ConfigError, match="--fractions"):
+            parse_fractions(text)
+
+
+def test_a_variant_trains_with_its_overrides_after_the_shared_ones(tmp_path):
+    from dflash_train.sweep import Variant, eval_path, sweep_stages
+
+    train, ev = sweep_stages(tmp_path, Path("r.yaml"), ["optim.epochs=2"], Variant("kl", ("objective.loss=kl",)),
+                             0.25, 24, 64, target="/t")
+    run = tmp_path / "kl-f0.25"
+    assert train.argv[1:] == ["train", "--config", "r.yaml", "--output", str(run), "--set", "data.features=offline",
+                              "--set", "eval.enabled=false", "--set", "optim.epochs=2", "--set", "objective.loss=kl",
+                              "--set", "data.train_fraction=0.25", "--resume", "auto"]
+    assert train.done == run / "summary.json" and ev.done == eval_path(run) == tmp_path / "kl-f0.25.eval.json"
+    assert ev.argv[1:] == ["eval", "--draft", str(run), "--prompts", str(run), "--target", "/t", "--num-prompts", "24",
+                           "--max-new-tokens", "64", "--no-speedup", "--json", str(ev.done), "--overwrite"]
+
+
+def test_the_table_has_a_column_per_source(tmp_path):
+    from dflash_train.sweep import markdown_table, write_outputs
+
+    run = {"variant": "baseline", "overrides": [], "train_rows": 100, "steps": 40, "train_seconds": 90.0,
+           "val_accept_len": 2.0, "tau": 1.5, "tau_by_source": {"chat": 1.75, "code": 1.25}}
+    sweep = {"runs": [{**run, "fraction": 0.5}, {**run, "fraction": 1.0, "train_rows": 200, "tau": 1.9,
+                                                 "tau_by_source": {"chat": 2.0}}]}
+    lines = markdown_table(sweep).splitlines()
+    assert lines[0] == ("| setting | overrides | train rows | steps | train min | val accept len | tau (all) "
+                        "| tau chat | tau code |")
+    assert lines[2] == "| baseline (0.5 of the rows) | - | 100 | 40 | 1.5 | 2.00 | 1.50 | 1.75 | 1.25 |"
+    assert lines[3].endswith("| 1.90 | 2.00 | - |")
+    write_outputs(tmp_path, sweep)
+    assert json.loads((tmp_path / "sweep.json").read_text()) == sweep
+    assert (tmp_path / "sweep.md").read_text() == markdown_table(sweep) and (tmp_path / "sweep.png").is_file()

@@ -137,12 +137,16 @@ class DocumentSource:
             raise DataError(f"feature cache row {i}: features have width {doc.features.shape[-1]} but this "
                             f"target and layer ids need {self.expected_dim}; the cache was written for another "
                             "target or other layer ids: rebuild it or drop data.feature_cache")
+        if self.topk and doc.target_topk_ids is not None:  # a cache with a larger k: its first k (sorted)
+            doc.target_topk_ids = doc.target_topk_ids[:, : self.topk]
+            doc.target_topk_logp = doc.target_topk_logp[:, : self.topk]
         return doc
 
     @torch.inference_mode()
-    def _compute(self, idx: list[int]) -> dict[int, tuple[Document, torch.Tensor | None]]:
+    def _compute(self, idx: list[int]) -> dict[int, Document]:
         """One padded target forward over the rows (right padding keeps positions exact). Memory mode
-        keeps bf16 features in host RAM; online mode leaves everything on the target's device."""
+        keeps bf16 features (and top-k log-probs) in host RAM; online mode leaves everything on the
+        target's device."""
         ids = [torch.tensor(self.rows[i]["input_ids"], dtype=torch.long) for i in idx]
         n = max(len(x) for x in ids)
         batch = torch.zeros(len(ids), n, dtype=torch.long)
@@ -152,7 +156,7 @@ class DocumentSource:
             attn[j, :len(x)] = 1
         device = next(self._extract.model.parameters()).device
         out = self._extract(batch.to(device), attention_mask=attn.to(device), with_next_tokens=True,
-                            return_logits=self.want_logits)
+                            topk=self.topk)
         result = {}
         memory = self.mode == "memory"
         store = torch.bfloat16 if memory else out.features.dtype
@@ -162,13 +166,16 @@ class DocumentSource:
             mask = torch.tensor(self.rows[i]["loss_mask"], dtype=torch.bool)
             doc = Document(input_ids=x, loss_mask=mask, features=out.features[j, :t].to(store).to(home),
                            greedy_next=out.next_tokens[j, :t].to(home))
-            logits = out.logits[j, :t].to(torch.bfloat16).to(home) if self.want_logits else None
-            result[i] = (doc, logits)
+            if self.topk:  # clone: a view would keep the whole padded batch alive
+                doc.target_topk_ids = out.topk_ids[j, :t].to(home).clone()
+                doc.target_topk_logp = out.topk_logp[j, :t].to(store).to(home).clone()
+            result[i] = doc
         return result
 
 
-def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int]):
-    """The data stage's FeatureCache for these rows and layer ids (written once if missing)."""
+def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None):
+    """The data stage's FeatureCache for these rows and layer ids (written once if missing); with
+    `topk` (the kl loss) its shards must hold at least k top-k log-probs per token."""
     try:
         from dflash_train.features.cache import FeatureCache, write_feature_cache
     except ImportError as exc:
@@ -177,7 +184,8 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
     if data.feature_cache:
         path = Path(data.feature_cache)
     else:
-        path = data_cache_root(data, target_path) / f"features-{'-'.join(map(str, layer_ids))}"
+        name = f"features-{'-'.join(map(str, layer_ids))}" + (f"-top{topk}" if topk else "")
+        path = data_cache_root(data, target_path) / name
         if not path.exists():
-            write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids)
-    return FeatureCache(path, target=target_path, target_layer_ids=layer_ids)
+            write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk)
+    return FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk)

@@ -19,8 +19,8 @@ def test_warm_computes_every_row_once_and_matches_lazy_features(train_tiny_targe
         raise AssertionError(f"rows {_idx} were computed again")
 
     monkeypatch.setattr(warm, "_compute", no_compute)
-    got, _ = warm.get(idx)
-    ref, _ = lazy.get(idx)
+    got = warm.get(idx)
+    ref = lazy.get(idx)
     for g, r, i in zip(got, ref, idx, strict=True):
         assert len(g) == len(rows[i]["input_ids"])
         torch.testing.assert_close(g.features.float(), r.features.float(), rtol=0, atol=2e-2)  # bf16 storage

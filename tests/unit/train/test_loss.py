@@ -17,6 +17,11 @@ from dflash_train.train.loss import (
 )
 
 
+def _full_target(logp):
+    """The kl target over the whole vocabulary (k = V): every id with its probability."""
+    return torch.arange(logp.shape[1]).expand(logp.shape).clone(), logp.exp()
+
+
 @pytest.mark.parametrize("kind", ["ce", "kl"])
 @pytest.mark.parametrize("chunk", [1, 7, None])
 def test_chunked_equals_unchunked(kind, chunk):
@@ -26,7 +31,7 @@ def test_chunked_equals_unchunked(kind, chunk):
     weight = torch.randn(v, h, generator=g)
     labels = torch.randint(0, v, (m,), generator=g)
     w = torch.rand(m, generator=g)
-    tlp = torch.log_softmax(torch.randn(m, v, generator=g), -1)
+    tlp = _full_target(torch.log_softmax(torch.randn(m, v, generator=g), -1))
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     ref, ref_pred = reference_head_loss(h1, w1, labels, w, kind, tlp)
@@ -64,7 +69,7 @@ def test_block_stats_acceptance_and_accuracy():
 def _head_inputs(m=96, h=64, v=1000, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(m, h, generator=g), torch.randn(v, h, generator=g) * 0.5, torch.randint(0, v, (m,), generator=g),
-            torch.rand(m, generator=g), torch.log_softmax(torch.randn(m, v, generator=g), -1))
+            torch.rand(m, generator=g), _full_target(torch.log_softmax(torch.randn(m, v, generator=g), -1)))
 
 
 @pytest.mark.parametrize("kind", ["ce", "kl"])

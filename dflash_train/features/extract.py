@@ -30,23 +30,27 @@ class _StopForward(Exception):
 @torch.no_grad()
 def head_outputs(head, final: torch.Tensor, topk: int | None = None, chunk: int = _HEAD_CHUNK):
     """(greedy [B, T] long, top-k ids [B, T, k] int32, top-k log-probs [B, T, k] fp32) of the LM head
-    `head` over post-norm states `final` [B, T, H], `chunk` positions at a time; the top-k pair is
-    None when `topk` is None. Log-probabilities are normalised over the whole vocabulary (fp32
-    log-softmax), sorted largest first."""
-    b, t = final.shape[:2]
-    greedy = torch.empty((b, t), dtype=torch.long, device=final.device)
+    `head` over post-norm states `final` [B, T, H], `chunk` positions (over the whole batch) at a
+    time; the top-k pair is None when `topk` is None. Log-probabilities are normalised over the
+    whole vocabulary (fp32 log-softmax), sorted largest first."""
+    shape = final.shape[:2]
+    flat = final.reshape(-1, final.shape[-1])
+    n = flat.shape[0]
+    greedy = torch.empty(n, dtype=torch.long, device=final.device)
     ids = logp = None
     if topk:
-        ids = torch.empty((b, t, topk), dtype=torch.int32, device=final.device)
-        logp = torch.empty((b, t, topk), dtype=torch.float32, device=final.device)
-    for s in range(0, t, chunk):
-        logits = head(final[:, s: s + chunk])
-        greedy[:, s: s + chunk] = logits.argmax(-1)
+        ids = torch.empty((n, topk), dtype=torch.int32, device=final.device)
+        logp = torch.empty((n, topk), dtype=torch.float32, device=final.device)
+    for s in range(0, n, chunk):
+        logits = head(flat[s: s + chunk])
+        greedy[s: s + chunk] = logits.argmax(-1)
         if topk:
             values, index = torch.log_softmax(logits.float(), -1).topk(topk, dim=-1)
-            ids[:, s: s + chunk], logp[:, s: s + chunk] = index, values
+            ids[s: s + chunk], logp[s: s + chunk] = index, values
         del logits
-    return greedy, ids, logp
+    if not topk:
+        return greedy.view(shape), None, None
+    return greedy.view(shape), ids.view(*shape, topk), logp.view(*shape, topk)
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:

@@ -132,7 +132,9 @@ def features(data: Path = typer.Option(..., "--data", help="A prepared dataset f
                                                         "(default on CUDA: 65536 or what fits the free memory)."),
              io_threads: Optional[int] = typer.Option(None, "--io-threads", help="Writer threads (default 1 on "
                                                       "CPU, 4 on CUDA)."),
-             rows_per_shard: int = typer.Option(256, "--rows-per-shard", help="Rows per safetensors shard.")) -> None:
+             rows_per_shard: int = typer.Option(256, "--rows-per-shard", help="Rows per safetensors shard."),
+             topk: Optional[int] = typer.Option(None, "--topk", help="Also store the target's top-k next-token "
+                                                "log-probs per token (objective.loss: kl; its kl_topk, e.g. 32).")) -> None:
     """Write offline target features (sharded safetensors + manifest)."""
     from dflash_train.errors import ConfigError
     from dflash_train.features.cache import FeatureCache, bytes_per_token, write_feature_cache
@@ -144,12 +146,13 @@ def features(data: Path = typer.Option(..., "--data", help="A prepared dataset f
     stats: dict = {}
     path = write_feature_cache(target, data, output, target_layer_ids=ids or None, batch_size=batch_size,
                                rows_per_shard=rows_per_shard, batch_tokens=batch_tokens, io_threads=io_threads,
-                               stats=stats)
+                               stats=stats, topk=topk)
     m = FeatureCache(path).manifest
-    per_token = bytes_per_token(m["feature_dim"], m["dtype"])
+    per_token = bytes_per_token(m["feature_dim"], m["dtype"], m["topk"])
     typer.echo(f"wrote {path}: {m['num_rows']} rows, {m['num_tokens']} tokens, {len(m['shards'])} shards, "
                f"layers {m['target_layer_ids']}; {per_token * 1e6 / 1e9:.2f} GB per 1M tokens "
-               f"({len(m['target_layer_ids'])} layers x {m['hidden_size']} {m['dtype']} + 17 bytes of ids and mask)")
+               f"({len(m['target_layer_ids'])} layers x {m['hidden_size']} {m['dtype']} + 17 bytes of ids and mask"
+               + (f" + {6 * m['topk']} of top-{m['topk']} log-probs)" if m["topk"] else ")"))
     if stats.get("tokens"):
         typer.echo(f"computed {stats['tokens']} tokens in {stats['seconds']:.1f} s "
                    f"({stats['tokens'] / max(stats['seconds'], 1e-9):.0f} tokens/s); the forward waited "

@@ -17,13 +17,17 @@ import torch
 class Document:
     """One prepared conversation with its target features.
 
-    greedy_next[t] is the target's argmax at position t, i.e. its prediction for token t+1.
+    greedy_next[t] is the target's argmax at position t, i.e. its prediction for token t+1; the
+    top-k pair (kl loss only) is aligned the same way: the target's k most likely next tokens at
+    t and their log-probabilities over the full vocabulary, largest first.
     """
 
     input_ids: torch.Tensor  # [T] long
     loss_mask: torch.Tensor  # [T] bool
     features: torch.Tensor  # [T, n_aux * H_target]
     greedy_next: torch.Tensor  # [T] long
+    target_topk_ids: torch.Tensor | None = None  # [T, k] int32
+    target_topk_logp: torch.Tensor | None = None  # [T, k] bf16 or fp32
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
@@ -41,6 +45,8 @@ class PackedBatch:
     positions: torch.Tensor  # [T] position inside its document
     doc_start: torch.Tensor  # [T] packed index of the first token of its document
     doc_end: torch.Tensor  # [T] packed index one past the last token of its document
+    target_topk_ids: torch.Tensor | None = None  # [T, k] when every document has them
+    target_topk_logp: torch.Tensor | None = None  # [T, k]
 
     @property
     def num_documents(self) -> int:
@@ -80,7 +86,15 @@ def pack_documents(docs: list[Document], pin_memory: bool = False) -> PackedBatc
         features=torch.cat(feats, out=out),
         greedy_next=torch.cat([d.greedy_next.long() for d in docs]),
         doc_ids=doc_ids, positions=positions, doc_start=doc_start, doc_end=doc_end,
+        target_topk_ids=_cat_optional([d.target_topk_ids for d in docs]),
+        target_topk_logp=_cat_optional([d.target_topk_logp for d in docs]),
     )
+
+
+def _cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The concatenation when every document has the tensor, else None (documents of one source
+    either all carry top-k or none do; a mix with other k fails in torch.cat)."""
+    return None if any(p is None for p in parts) else torch.cat(parts)
 
 
 def plan_microbatches(lengths: list[int], token_budget: int, seed: int, epoch: int) -> list[list[int]]:

@@ -4,10 +4,12 @@ Layout of a cache folder:
 - `shard-NNNNN.safetensors`, each holding a run of consecutive rows, concatenated over tokens:
   `features` [N, n*H] (bfloat16 by default), `input_ids` [N] int64, `loss_mask` [N] uint8,
   `greedy_next` [N] int64 (the target's argmax at each position), `row_offsets` [R+1] int64
-  (row r is tokens row_offsets[r]:row_offsets[r+1]) and `row_index` [R] int64 (dataset rows).
+  (row r is tokens row_offsets[r]:row_offsets[r+1]) and `row_index` [R] int64 (dataset rows);
+  written with `topk=k` (the kl loss), also `target_topk_ids` [N, k] int32 and `target_topk_logp`
+  [N, k] bfloat16: the target's k most likely next tokens at each position, largest first.
 - `manifest.json`: target name, path and revision, layer ids, dtype, row and token counts, the
   prepared data's path and fingerprint, and one entry per finished shard (rows, tokens, bytes,
-  sha256), plus `complete`.
+  sha256), plus `complete` and `topk` (0: no top-k).
 
 Writing: a shard's layout is known before the forward passes (row lengths come from the prepared
 data), so its header is written first and each batch's rows are written at their offsets. Rows are
@@ -19,7 +21,8 @@ after each shard. A rerun with the same inputs after a crash or SIGKILL keeps th
 (checksums verified) and computes the rest.
 
 Size on disk per token: feature_dim * dtype bytes + 17 (input id, greedy next id, mask byte), e.g.
-5.78 GB per 1M tokens for SmolLM2-135M (5 layers x 576, bf16) and 40.98 GB for Qwen3-8B (5 x 4096).
+5.78 GB per 1M tokens for SmolLM2-135M (5 layers x 576, bf16) and 40.98 GB for Qwen3-8B (5 x 4096);
+top-k adds 6 * k (0.19 GB per 1M tokens at k = 32).
 
 Reading validates each shard when first opened (size and checksum-free header checks: shapes,
 dtype, offsets) and each row when read (ids and mask equal the prepared data when it is
@@ -47,7 +50,9 @@ MANIFEST_FILE = "manifest.json"
 BATCH_TOKENS_CUDA = 65536  # more tokens per forward gain little on one GPU; the queue holds a few batches
 IO_THREADS_CUDA = 4
 SAFETY = 0.6
-_INPUT_KEYS = ("target_revision", "target_layer_ids", "dtype", "rows_per_shard", "data_fingerprint", "num_rows")
+TOPK_KEYS = ("target_topk_ids", "target_topk_logp")
+_INPUT_KEYS = ("target_revision", "target_layer_ids", "dtype", "rows_per_shard", "data_fingerprint", "num_rows",
+               "topk")
 
 
 def shard_name(k: int) -> str:
@@ -89,9 +94,10 @@ def _write_json(path: Path, obj: dict) -> None:
 
 # ---- writing --------------------------------------------------------------------------
 
-def bytes_per_token(feature_dim: int, dtype: str = "bfloat16") -> int:
-    """Bytes a cache takes per token: features, plus input id and greedy next id (int64) and mask (uint8)."""
-    return feature_dim * torch.empty((), dtype=_DTYPES[dtype][0]).element_size() + 17
+def bytes_per_token(feature_dim: int, dtype: str = "bfloat16", topk: int = 0) -> int:
+    """Bytes a cache takes per token: features, input id and greedy next id (int64), mask (uint8), and
+    with top-k its int32 ids and bf16 log-probs."""
+    return feature_dim * torch.empty((), dtype=_DTYPES[dtype][0]).element_size() + 17 + 6 * topk
 
 
 def batch_tokens_that_fit(config, n_features: int, free_bytes: int, dtype_bytes: int = 2) -> int:
@@ -109,13 +115,14 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
                         target_layer_ids: list[int] | None = None, batch_size: int | None = None,
                         rows_per_shard: int = 256, dtype: str = "bfloat16", model=None,
                         batch_tokens: int | None = None, io_threads: int | None = None,
-                        stats: dict | None = None) -> Path:
+                        stats: dict | None = None, topk: int | None = None) -> Path:
     """Compute and store target features for every row of a prepared dataset (resumable).
 
     `model`: an already loaded target (benchmarks, tests); by default it is loaded from `target`.
     `batch_size` rows / `batch_tokens` padded tokens per forward and `io_threads` writer threads
     default to 8 / unlimited / 1 on CPU and unlimited / `batch_tokens_that_fit` / 4 on CUDA.
     `stats`, when given, receives the tokens computed, seconds, and seconds the forward waited on the writers.
+    `topk`: also store the target's top-k next-token ids and log-probs (for `objective.loss: kl`).
     """
     from tqdm import tqdm
 
@@ -127,8 +134,9 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
 
     if dtype not in _DTYPES:
         raise DataError(f"dtype {dtype!r}: choose one of {sorted(_DTYPES)}")
-    if any(v is not None and v < 1 for v in (batch_size, batch_tokens, io_threads)) or rows_per_shard < 1:
-        raise DataError("--batch-size, --batch-tokens, --io-threads and --rows-per-shard must be >= 1")
+    if any(v is not None and v < 1 for v in (batch_size, batch_tokens, io_threads, topk)) or rows_per_shard < 1:
+        raise DataError("--batch-size, --batch-tokens, --io-threads, --topk and --rows-per-shard must be >= 1")
+    topk = int(topk or 0)
     out = Path(output)
     # a folder with a manifest is this command's own (resumed, or refused below when its inputs differ);
     # one that says it is complete may be read-only: the write check waits until work is left
@@ -159,14 +167,14 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
         "aux_hidden_state_layer_ids": [t + 1 for t in layer_ids], "hidden_size": hidden,
         "feature_dim": hidden * len(layer_ids), "dtype": dtype, "num_rows": len(ds),
         "num_tokens": sum(lengths_all), "rows_per_shard": rows_per_shard,
-        "data_path": str(Path(data).resolve()), "data_fingerprint": ds._fingerprint, "shards": [],
+        "data_path": str(Path(data).resolve()), "data_fingerprint": ds._fingerprint, "topk": topk, "shards": [],
     }
     manifest["shards"] = _resumable_shards(out, manifest)
     if manifest["complete"]:
         return out
     ensure_folder(plan, "features")
     left = manifest["num_tokens"] - sum(s["tokens"] for s in manifest["shards"])
-    check_writable(out, "--output", left * (manifest["feature_dim"] * _DTYPES[dtype][0].itemsize + 17), inside=True)
+    check_writable(out, "--output", left * bytes_per_token(manifest["feature_dim"], dtype, topk), inside=True)
     for stale in out.glob(".shard-*.tmp"):
         stale.unlink()
     done = {s["file"] for s in manifest["shards"]}
@@ -182,10 +190,10 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     def write_batch(shard, idx, ids_l, masks, host, event, lengths, name, lo, hi):  # in a writer thread
         if event is not None:
             event.synchronize()
-        feats, greedy = host
+        feats, greedy, *top = host
         for j, r in enumerate(idx):
             n = lengths[r]
-            shard.put_row(r, ids_l[j], masks[j], feats[j, :n], greedy[j, :n])
+            shard.put_row(r, ids_l[j], masks[j], feats[j, :n], greedy[j, :n], *(t[j, :n] for t in top))
         if shard.done_one():
             finish(shard, name, lo, hi)
 
@@ -208,14 +216,15 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
             lo, hi = k * rows_per_shard, min(len(ds), (k + 1) * rows_per_shard)
             rows = ds.select(range(lo, hi))
             lengths = lengths_all[lo:hi]
-            shard = ShardWriter(out / f".{name}.tmp", lengths, list(range(lo, hi)), manifest["feature_dim"], dtype)
+            shard = ShardWriter(out / f".{name}.tmp", lengths, list(range(lo, hi)), manifest["feature_dim"], dtype, topk)
             shards.append(shard)
             for idx in shard_batches(lengths, batch_size, batch_tokens):
                 ids_l = [torch.tensor(rows[r]["input_ids"], dtype=torch.long) for r in idx]
                 masks = [torch.tensor(rows[r]["loss_mask"], dtype=torch.uint8) for r in idx]
                 ids, attn = pad_right(ids_l)
-                feats, greedy = target_forward(model, layer_ids, ids.to(device), attn.to(device))
-                host, event = to_host([feats.to(storage) if cuda else feats, greedy], copy_stream)
+                feats, greedy, *top = target_forward(model, layer_ids, ids.to(device), attn.to(device), topk or None)
+                top = [top[0], top[1].to(torch.bfloat16)] if top else []
+                host, event = to_host([feats.to(storage) if cuda else feats, greedy, *top], copy_stream)
                 shard.add_pending()
                 pool.submit(write_batch, shard, idx, ids_l, masks, host, event, lengths, name, lo, hi)
                 bar.update(sum(lengths[r] for r in idx))
@@ -255,7 +264,7 @@ def _resumable_shards(out: Path, manifest: dict) -> list[dict]:
     path = out / MANIFEST_FILE
     if not path.is_file():
         return []
-    old = _read_manifest(out)
+    old = {"topk": 0, **_read_manifest(out)}  # caches from before top-k have none
     diff = [k for k in _INPUT_KEYS if old.get(k) != manifest.get(k)]
     if diff:
         raise DataError(f"{path}: this folder holds features from other inputs ("
@@ -289,9 +298,10 @@ def _read_manifest(path: Path) -> dict:
 class FeatureCache:
     """Read access to a complete cache; `document(i)` is row i of the prepared data."""
 
-    def __init__(self, path: str | Path, target: str | None = None, target_layer_ids: list[int] | None = None):
+    def __init__(self, path: str | Path, target: str | None = None, target_layer_ids: list[int] | None = None,
+                 topk: int | None = None):
         self.path = Path(path)
-        self.manifest = _read_manifest(self.path)
+        self.manifest = {"topk": 0, **_read_manifest(self.path)}
         m = self.manifest
         if not m.get("complete"):
             raise DataError(f"{self.path}: the feature cache is incomplete ({len(m['shards'])} shards written); "
@@ -307,6 +317,10 @@ class FeatureCache:
         if target_layer_ids is not None and [int(t) for t in target_layer_ids] != m["target_layer_ids"]:
             raise DataError(f"{self.path}: features hold target layers {m['target_layer_ids']}, but "
                             f"{list(target_layer_ids)} were asked for; recompute with --layer-ids or change the config")
+        if topk and m["topk"] < topk:
+            raise DataError(f"{self.path}: the feature cache holds {m['topk'] or 'no'} top-k target log-probs per "
+                            f"token, but objective.loss: kl with kl_topk {topk} needs {topk}; rebuild it with "
+                            f"`dflash-train features --topk {topk}` into a new folder (or lower objective.kl_topk)")
         self._starts = [s["rows"][0] for s in m["shards"]]
         self._open: dict[int, tuple] = {}
         self._data = None
@@ -334,11 +348,13 @@ class FeatureCache:
             row_index = handle.get_tensor("row_index")
             fshape = handle.get_slice("features").get_shape()
             shapes = {k2: handle.get_slice(k2).get_shape() for k2 in ("input_ids", "loss_mask", "greedy_next")}
+            top = {k2: handle.get_slice(k2).get_shape() for k2 in TOPK_KEYS if self.manifest["topk"]}
         except Exception as exc:
             raise DataError(f"{f}: cannot read the shard ({exc}); {fix}") from exc
         lo, hi = s["rows"]
         n = s["tokens"]
         ok = (list(fshape) == [n, self.manifest["feature_dim"]] and all(v == [n] for v in shapes.values())
+              and all(v == [n, self.manifest["topk"]] for v in top.values())
               and offsets.numel() == hi - lo + 1 and int(offsets[-1]) == n
               and row_index.tolist() == list(range(lo, hi)))
         if not ok:
@@ -383,7 +399,9 @@ class FeatureCache:
             if row["input_ids"] != ids.tolist() or row["loss_mask"] != mask.int().tolist():
                 raise DataError(f"{f}: row {i} holds other tokens than the prepared data at "
                                 f"{self.manifest['data_path']}; rerun `dflash-train features`")
-        return Document(input_ids=ids, loss_mask=mask, features=feats, greedy_next=greedy)
+        top = [handle.get_slice(k2)[a:b] for k2 in TOPK_KEYS] if self.manifest["topk"] else [None, None]
+        return Document(input_ids=ids, loss_mask=mask, features=feats, greedy_next=greedy, target_topk_ids=top[0],
+                        target_topk_logp=top[1])
 
     def lengths(self) -> list[int]:
         out = []

@@ -37,8 +37,9 @@ class ShardWriter:
     finished when it is sealed (every batch submitted) and nothing is pending.
     """
 
-    def __init__(self, path, lengths: list[int], row_index: list[int], feature_dim: int, dtype: str):
-        self.path, self.feature_dim = path, feature_dim
+    def __init__(self, path, lengths: list[int], row_index: list[int], feature_dim: int, dtype: str,
+                 topk: int = 0):
+        self.path, self.feature_dim, self.topk = path, feature_dim, topk
         self.torch_dtype, st_dtype = DTYPES[dtype]
         self.item = torch.empty((), dtype=self.torch_dtype).element_size()
         n, r = sum(lengths), len(lengths)
@@ -50,6 +51,9 @@ class ShardWriter:
                  ("input_ids", "I64", [n], 8 * n), ("loss_mask", "U8", [n], n),
                  ("greedy_next", "I64", [n], 8 * n), ("row_offsets", "I64", [r + 1], 8 * (r + 1)),
                  ("row_index", "I64", [r], 8 * r)]
+        if topk:  # the kl loss's teacher: int32 ids and bf16 log-probs, aligned like greedy_next
+            specs += [("target_topk_ids", "I32", [n, topk], 4 * n * topk),
+                      ("target_topk_logp", "BF16", [n, topk], 2 * n * topk)]
         header, pos = {"__metadata__": {"format": FORMAT}}, 0
         self.base = {}
         for name, st, shape, nbytes in specs:
@@ -75,12 +79,16 @@ class ShardWriter:
             n = os.pwrite(self.fd, data, off)
             data, off = data[n:], off + n
 
-    def put_row(self, r: int, ids: torch.Tensor, mask: torch.Tensor, feats: torch.Tensor, greedy: torch.Tensor):
+    def put_row(self, r: int, ids: torch.Tensor, mask: torch.Tensor, feats: torch.Tensor, greedy: torch.Tensor,
+                topk_ids: torch.Tensor | None = None, topk_logp: torch.Tensor | None = None):
         t0 = self.tok_off[r]
         self._put("features", t0 * self.feature_dim * self.item, feats.to(self.torch_dtype))
         self._put("input_ids", t0 * 8, ids.to(torch.int64))
         self._put("loss_mask", t0, mask.to(torch.uint8))
         self._put("greedy_next", t0 * 8, greedy.to(torch.int64))
+        if self.topk:
+            self._put("target_topk_ids", t0 * 4 * self.topk, topk_ids.to(torch.int32))
+            self._put("target_topk_logp", t0 * 2 * self.topk, topk_logp.to(torch.bfloat16))
 
     def add_pending(self) -> None:
         with self.lock:

@@ -21,16 +21,15 @@ from collections.abc import Sequence
 import torch
 
 from dflash_train.data.packing import Document
-from dflash_train.features.extract import decoder_layers
+from dflash_train.features.extract import decoder_layers, head_outputs
 from dflash_train.features.layer_ids import check_target_layer_ids
-
-_LM_HEAD_CHUNK = 256
 
 
 @torch.no_grad()
 def target_forward(model, layer_ids: Sequence[int], input_ids: torch.Tensor,
-                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features [B, T, n*H], greedy next tokens [B, T]) for a right-padded batch."""
+                   attention_mask: torch.Tensor | None = None, topk: int | None = None) -> tuple:
+    """(features [B, T, n*H], greedy next tokens [B, T]) for a right-padded batch; with `topk`,
+    also (top-k ids [B, T, k] int32, top-k log-probs [B, T, k] fp32) from the same head chunks."""
     layers = decoder_layers(model)
     last = len(layers) - 1
     captured: dict[int, torch.Tensor] = {}
@@ -50,11 +49,8 @@ def target_forward(model, layer_ids: Sequence[int], input_ids: torch.Tensor,
             h.remove()
     final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     feats = torch.cat([final if t == last else captured[t] for t in layer_ids], dim=-1)
-    head = model.get_output_embeddings()
-    greedy = torch.empty(final.shape[:2], dtype=torch.long, device=final.device)
-    for s in range(0, final.shape[1], _LM_HEAD_CHUNK):
-        greedy[:, s: s + _LM_HEAD_CHUNK] = head(final[:, s: s + _LM_HEAD_CHUNK]).argmax(-1)
-    return feats, greedy
+    greedy, ids, logp = head_outputs(model.get_output_embeddings(), final, topk)
+    return (feats, greedy) if not topk else (feats, greedy, ids, logp)
 
 
 def pad_right(seqs: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

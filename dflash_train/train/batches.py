@@ -26,7 +26,7 @@ from dflash_train.train.anchors import (
     sample_anchors,
     slot_weights,
 )
-from dflash_train.train.loss import BlockStats, block_stats, head_loss
+from dflash_train.train.loss import BlockStats, block_stats, head_loss, topk_soft_targets
 
 
 @dataclass
@@ -36,7 +36,9 @@ class MicroBatch:
     labels: torch.Tensor  # [N, B] target ids, IGNORE where no loss (on the greedy tokens' device)
     weights: torch.Tensor  # [N, B] slot weight where labelled, else 0 (host)
     layout: TrainLayout  # host
-    target_logp: torch.Tensor | None = None  # [M, V] target log-probs at the labelled slots (kl)
+    # kl: the target's top-k (target ids [M, k] int32, log-probs [M, k]) at the labelled slots, row-major,
+    # on the device the top-k were stored on
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None = None
     valid: torch.Tensor | None = None  # [N, B] bool, host: the slots that carry a label
 
     def __post_init__(self):
@@ -50,11 +52,11 @@ class MicroBatch:
 
 def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, anchors_per_document: int,
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
-                     target_logits: list[torch.Tensor] | None = None,
                      anchors: list[torch.Tensor] | None = None, pin_memory: bool = False) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
-    target_logits: per document [T_i, V] target logits, needed for the kl loss.
+    Documents that carry the target's top-k (kl loss) give the micro-batch the top-k of the
+    position whose prediction each labelled slot is (the label's source position).
     anchors: per document, sorted in-document positions to place blocks at instead of sampling
     them (eval places them where decode steps began); labels follow the same rules either way.
     pin_memory: host features are packed into pinned memory (for a non-blocking copy to a GPU).
@@ -73,11 +75,12 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     valid, _ = labelled_slots(anchors, packed.loss_mask, packed.doc_end[anchors], block_size)
     weights = slot_weights(block_size, gamma)[None, :].expand_as(valid) * valid
     layout = train_layout(anchors, packed.doc_start[anchors], packed.positions, block_size)
-    target_logp = None
-    if target_logits is not None:
-        logits = torch.cat([t.float() for t in target_logits])
-        target_logp = torch.log_softmax(logits[to_device(src[valid], logits.device)], dim=-1)
-    return MicroBatch(packed, anchors, lab, weights, layout, target_logp, valid)
+    target_topk = None
+    if packed.target_topk_ids is not None:
+        at = src[valid]  # host tensors: the gather index is known without reading the device
+        target_topk = (packed.target_topk_ids[to_device(at, packed.target_topk_ids.device)],
+                       packed.target_topk_logp[to_device(at, packed.target_topk_logp.device)])
+    return MicroBatch(packed, anchors, lab, weights, layout, target_topk, valid)
 
 
 def head_weight(model: DFlashDraftModel) -> torch.Tensor:
@@ -118,8 +121,15 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
     hidden = model.forward_train(to_device(mb.packed.features, device), embeds, layout, attention=attention)
     labels = model.target_to_draft(to_device(mb.labels, device).flatten().index_select(0, index))
     keep = labels != IGNORE  # reduced vocab: labels outside it cannot be scored
-    w = to_device(mb.weights, device).flatten().index_select(0, index) * keep
-    target_logp = to_device(mb.target_logp, device) if mb.target_logp is not None else None
+    w = to_device(mb.weights, device).flatten().index_select(0, index)
+    target = None
+    if loss == "kl":
+        if mb.target_topk is None:
+            raise ValueError("loss kl needs documents with the target's top-k (DocumentSource(topk=k))")
+        ids, logp = (to_device(t, device) for t in mb.target_topk)
+        # kl scores a slot whose label the reduced vocab lacks when some of its top-k ids are in it
+        tids, p, keep = topk_soft_targets(model.target_to_draft(ids.long()), logp, labels)
+        target = (tids, p)
     loss_sum, preds = head_loss(hidden.flatten(0, 1).index_select(0, index), head_weight(model),
-                                labels.clamp(min=0), w, kind=loss, target_logp=target_logp, chunk=chunk)
+                                labels.clamp(min=0), w * keep, kind=loss, target=target, chunk=chunk)
     return loss_sum, model.draft_to_target(preds)

@@ -5,8 +5,11 @@
 2. A deterministic held-out split of those rows (`data.holdout_fraction`).
 3. Documents with context features and greedy tokens: `online` (target forward every time),
    `memory` (computed once per row, kept in RAM) or `offline` (the data stage's feature cache).
-   The target runs under inference_mode; online features, greedy tokens and logits stay on the
+   The target runs under inference_mode; online features, greedy tokens and top-k stay on the
    target's device (a GPU run never copies them to the host and back).
+4. For the kl loss (`topk=k`), each document also carries the target's top-k next-token ids and
+   log-probabilities from the same forward: int32 ids and bf16 log-probs in memory mode (k=32:
+   192 bytes per token next to 5,760 of SmolLM2 features), the cache's shards offline.
 """
 
 from __future__ import annotations
@@ -124,18 +127,19 @@ def fraction_of_rows(rows: list[int], fraction: float, seed: int, labels: list[s
 
 
 class DocumentSource:
-    """Documents (features + greedy tokens) for prepared rows, with optional target logits."""
+    """Documents (features + greedy tokens) for prepared rows, with the target's top-k next-token
+    log-probs when `topk` is set (the kl loss)."""
 
     def __init__(self, rows, mode: str, target_model=None, target_layer_ids=None, feature_cache=None,
-                 want_logits: bool = False, target_hidden: int | None = None):
+                 topk: int | None = None, target_hidden: int | None = None):
         self.rows = rows
         self.mode = mode
-        self.want_logits = want_logits
+        self.topk = topk
         self.lengths = [len(x) for x in rows["input_ids"]]
         self.cache = feature_cache
         self.layer_ids = list(target_layer_ids)
         self.expected_dim = None if target_hidden is None else len(self.layer_ids) * target_hidden
-        self._memory: dict[int, tuple[Document, torch.Tensor | None]] = {}
+        self._memory: dict[int, Document] = {}
         self._extract = None
         if mode in ("online", "memory"):
             from dflash_train.features.extract import TargetFeatures
@@ -145,20 +149,14 @@ class DocumentSource:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def get(self, idx: list[int]) -> tuple[list[Document], list[torch.Tensor] | None]:
+    def get(self, idx: list[int]) -> list[Document]:
         if self.mode == "offline":
-            docs = [self._check(self.cache.document(i), i) for i in idx]
-            return docs, None
+            return [self._check(self.cache.document(i), i) for i in idx]
         todo = [i for i in idx if i not in self._memory]
-        if todo:
-            computed = self._compute(todo)
-            if self.mode == "memory":
-                self._memory.update(computed)
-        else:
-            computed = {}
-        pairs = [self._memory.get(i) or computed[i] for i in idx]
-        docs = [p[0] for p in pairs]
-        return docs, ([p[1] for p in pairs] if self.want_logits else None)
+        computed = self._compute(todo) if todo else {}
+        if self.mode == "memory":
+            self._memory.update(computed)
+        return [self._memory.get(i) or computed[i] for i in idx]
 
     def warm(self, idx: list[int], tokens_per_batch: int = 4096, progress: bool = True) -> None:
         """Memory mode: compute the features of rows `idx` now, in batches of similar lengths
@@ -183,12 +181,16 @@ class DocumentSource:
             raise DataError(f"feature cache row {i}: features have width {doc.features.shape[-1]} but this "
                             f"target and layer ids need {self.expected_dim}; the cache was written for another "
                             "target or other layer ids: rebuild it or drop data.feature_cache")
+        if self.topk and doc.target_topk_ids is not None:  # a cache with a larger k: its first k (sorted)
+            doc.target_topk_ids = doc.target_topk_ids[:, : self.topk]
+            doc.target_topk_logp = doc.target_topk_logp[:, : self.topk]
         return doc
 
     @torch.inference_mode()
-    def _compute(self, idx: list[int]) -> dict[int, tuple[Document, torch.Tensor | None]]:
+    def _compute(self, idx: list[int]) -> dict[int, Document]:
         """One padded target forward over the rows (right padding keeps positions exact). Memory mode
-        keeps bf16 features in host RAM; online mode leaves everything on the target's device."""
+        keeps bf16 features (and top-k log-probs) in host RAM; online mode leaves everything on the
+        target's device."""
         ids = [torch.tensor(self.rows[i]["input_ids"], dtype=torch.long) for i in idx]
         n = max(len(x) for x in ids)
         batch = torch.zeros(len(ids), n, dtype=torch.long)
@@ -198,7 +200,7 @@ class DocumentSource:
             attn[j, :len(x)] = 1
         device = next(self._extract.model.parameters()).device
         out = self._extract(batch.to(device), attention_mask=attn.to(device), with_next_tokens=True,
-                            return_logits=self.want_logits)
+                            topk=self.topk)
         result = {}
         memory = self.mode == "memory"
         store = torch.bfloat16 if memory else out.features.dtype
@@ -208,13 +210,16 @@ class DocumentSource:
             mask = torch.tensor(self.rows[i]["loss_mask"], dtype=torch.bool)
             doc = Document(input_ids=x, loss_mask=mask, features=out.features[j, :t].to(store).to(home),
                            greedy_next=out.next_tokens[j, :t].to(home))
-            logits = out.logits[j, :t].to(torch.bfloat16).to(home) if self.want_logits else None
-            result[i] = (doc, logits)
+            if self.topk:  # clone: a view would keep the whole padded batch alive
+                doc.target_topk_ids = out.topk_ids[j, :t].to(home).clone()
+                doc.target_topk_logp = out.topk_logp[j, :t].to(store).to(home).clone()
+            result[i] = doc
         return result
 
 
-def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int]):
-    """The data stage's FeatureCache for these rows and layer ids (written once if missing)."""
+def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None):
+    """The data stage's FeatureCache for these rows and layer ids (written once if missing); with
+    `topk` (the kl loss) its shards must hold at least k top-k log-probs per token."""
     try:
         from dflash_train.features.cache import FeatureCache, write_feature_cache
     except ImportError as exc:
@@ -223,7 +228,8 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
     if data.feature_cache:
         path = Path(data.feature_cache)
     else:
-        path = data_cache_root(data, target_path) / f"features-{'-'.join(map(str, layer_ids))}"
+        name = f"features-{'-'.join(map(str, layer_ids))}" + (f"-top{topk}" if topk else "")
+        path = data_cache_root(data, target_path) / name
         if not path.exists():
-            write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids)
-    return FeatureCache(path, target=target_path, target_layer_ids=layer_ids)
+            write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk)
+    return FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk)

@@ -81,11 +81,10 @@ class StepPlan:
 
 
 def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], epoch: int, device: torch.device):
-    docs, logits = source.get(rows)
     o = recipe.objective
-    return build_microbatch(docs, rows, block_size=recipe.drafter.block_size, anchors_per_document=o.anchors_per_document,
-                            labels=o.labels, seed=recipe.seed, epoch=epoch, gamma=o.gamma, target_logits=logits,
-                            pin_memory=device.type == "cuda")
+    return build_microbatch(source.get(rows), rows, block_size=recipe.drafter.block_size,
+                            anchors_per_document=o.anchors_per_document, labels=o.labels, seed=recipe.seed,
+                            epoch=epoch, gamma=o.gamma, pin_memory=device.type == "cuda")
 
 
 def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPlan, world: World,
@@ -262,11 +261,11 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     train_rows = fraction_of_rows(train_rows, recipe.data.train_fraction, recipe.seed,
                                   list(rows["source"]) if "source" in rows.column_names else None)
     cache = None
+    topk = recipe.objective.kl_topk if recipe.objective.loss == "kl" else None  # teacher top-k for the kl loss
     if recipe.data.features == "offline":
-        cache = offline_cache(recipe.data, target_path, data_path, drafter.config.target_layer_ids)
+        cache = offline_cache(recipe.data, target_path, data_path, drafter.config.target_layer_ids, topk)
     source = DocumentSource(rows, recipe.data.features, target_model, drafter.config.target_layer_ids, cache,
-                            want_logits=recipe.objective.loss == "kl",
-                            target_hidden=target_model.config.get_text_config().hidden_size)
+                            topk=topk, target_hidden=target_model.config.get_text_config().hidden_size)
     plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size)
     source.warm(train_rows + held[: recipe.logging.eval_documents], progress=world.is_main and recipe.logging.progress)
     drafter.activation_checkpointing = recipe.engine.activation_checkpointing

@@ -21,6 +21,10 @@ the largest multiple of 256 positions whose logits fit in 2 GiB (1280 positions 
 vocabulary, 4352 for 49152): large enough that each matmul runs at tensor-core speed, small next
 to the drafter's activations. On CPU it stays 1024.
 
+Losses: `ce` on the labels, or `kl` to the target's top-k next-token distribution (stored with
+the features, renormalised over the ids the draft vocabulary has: `topk_soft_targets`); both
+share the chunking and the closed-form gradient (softmax * sum(p) - p for kl).
+
 Loss sums are weighted (w_k, anchors.slot_weights) and left unnormalised; the caller divides by
 the sum of weights over the global batch. Statistics stay on the device of the loss; only
 `BlockStats.summary` reads them back (at log time).
@@ -64,7 +68,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, target_logp, chunk, kind):
+    def forward(ctx, hidden, weight, labels, weights, target_ids, target_p, chunk, kind):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         m = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -86,12 +90,12 @@ class _FusedHeadLoss(torch.autograd.Function):
             if kind == "ce":
                 total += (wt * -logp.gather(1, lab[:, None]).squeeze(1)).sum()
                 d = logp.exp_() if want_h or want_w else None  # softmax, in place; the grad is softmax - onehot
-            else:  # kl(target || draft) = sum p (log p - log q); the grad is softmax - p
-                tl = target_logp[s:e].float()
-                p = tl.exp()
-                total += (wt * (p * (tl - logp)).sum(-1)).sum()
-                d = logp.exp_().sub_(p) if want_h or want_w else None
-                del tl, p
+            else:  # soft CE against p over its k ids, plus sum p log p (no grad): KL(p || q); see head_loss
+                ids, p = target_ids[s:e], target_p[s:e].float()
+                total += (wt * (torch.xlogy(p, p) - p * logp.gather(1, ids)).sum(-1)).sum()
+                # the grad w.r.t. the logits is softmax * sum(p) - p scattered to its ids
+                d = logp.exp_().mul_(p.sum(-1, keepdim=True)).scatter_add_(1, ids, -p) if want_h or want_w else None
+                del ids, p
             del logp
             if d is None:
                 continue
@@ -120,36 +124,65 @@ class _FusedHeadLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = (grad_h * g_total).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
         gw = (grad_w * g_total).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-              kind: str = "ce", target_logp: torch.Tensor | None = None,
+              kind: str = "ce", target: tuple[torch.Tensor, torch.Tensor] | None = None,
               chunk: int | None = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted loss sum over M positions and the argmax predictions [M].
 
-    hidden [M, H] post-norm; weight [V, H] LM head; labels [M] (draft ids); weights [M];
-    target_logp [M, V] target log-probabilities for kind="kl".
+    hidden [M, H] post-norm; weight [V, H] LM head; labels [M] (draft ids); weights [M].
+    kind="kl": `target` = (ids [M, k] long draft ids, p [M, k]) the teacher's distribution over k
+    ids (`topk_soft_targets`; p sums to 1 per row, entries with p = 0 are ignored). The loss is the
+    soft cross-entropy -sum_j p_j log q(ids_j) plus sum_j p_j log p_j: exactly KL(p || q) with p
+    zero outside its k ids, so it is >= 0 and its gradient is the soft cross-entropy's (the
+    entropy term is a constant). With k = V and p the full softmax it is the full-vocabulary KL.
     """
     if kind not in ("ce", "kl"):
         raise ValueError(f"loss {kind!r}: choose ce or kl")
-    if kind == "kl" and target_logp is None:
-        raise ValueError("loss kl needs target log-probabilities")
+    if kind == "kl" and target is None:
+        raise ValueError("loss kl needs the target's top-k ids and probabilities")
     if hidden.shape[0] == 0:
         return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.long, device=hidden.device)
     chunk = hidden.shape[0] if not chunk else int(chunk)
-    return _FusedHeadLoss.apply(hidden, weight, labels, weights, target_logp, chunk, kind)
+    ids, p = target if target is not None else (None, None)
+    return _FusedHeadLoss.apply(hidden, weight, labels, weights, ids, p, chunk, kind)
 
 
-def reference_head_loss(hidden, weight, labels, weights, kind="ce", target_logp=None):
+def topk_soft_targets(draft_ids: torch.Tensor, logp: torch.Tensor,
+                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kl loss's teacher per position: (ids [M, k] long, p [M, k] fp32, scored [M] bool).
+
+    draft_ids [M, k]: the target's top-k ids mapped to draft ids, negative where the draft vocab
+    lacks the id (a reduced vocabulary); logp [M, k] their target log-probabilities; labels [M]
+    draft ids (negative: outside the draft vocab). p is the target's distribution renormalised
+    over the ids the draft vocab has (a softmax of their log-probs); a position with none of them
+    falls back to its label (p = 1 there), and `scored` is False where that label is missing too.
+    No host reads (torch.where only), so a GPU step never waits here.
+    """
+    keep = draft_ids >= 0
+    fallback = ~keep.any(-1, keepdim=True)  # [M, 1]
+    first = torch.zeros_like(keep)
+    first[:, 0] = True
+    use_label = fallback & first
+    keep = torch.where(fallback, first, keep)
+    ids = torch.where(use_label, labels[:, None], draft_ids)
+    lp = torch.where(use_label, torch.zeros((), dtype=torch.float32, device=logp.device), logp.float())
+    p = torch.softmax(lp.masked_fill(~keep, float("-inf")), -1)
+    scored = (ids[:, 0] >= 0) | ~fallback[:, 0]
+    return torch.where(keep, ids, 0).clamp(min=0).long(), p, scored
+
+
+def reference_head_loss(hidden, weight, labels, weights, kind="ce", target=None):
     """The naive version (all logits at once, plain autograd): the test and bench reference."""
     logits = hidden.float() @ weight.float().t()
     logp = torch.log_softmax(logits, -1)
     if kind == "ce":
         per = F.nll_loss(logp, labels, reduction="none")
     else:
-        p = target_logp.float().exp()
-        per = (p * (target_logp.float() - logp)).sum(-1)
+        ids, p = target[0], target[1].float()
+        per = (torch.xlogy(p, p) - p * logp.gather(1, ids)).sum(-1)
     return (weights.float() * per).sum(), logits.argmax(-1)
 
 

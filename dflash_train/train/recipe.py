@@ -106,7 +106,10 @@ class DrafterConfig(_Section):
 
 
 class ObjectiveConfig(_Section):
+    # ce: cross-entropy on the labels; kl: KL to the target's next-token distribution, kept as its top
+    # `kl_topk` log-probs per token (computed with the features; offline caches need `features --topk`)
     loss: Literal["ce", "kl"] = "ce"
+    kl_topk: int = Field(32, gt=0)  # k of the kl loss: ~6 bytes per token per k in RAM or in the cache
     labels: Literal["greedy", "dataset"] = "greedy"
     anchors_per_document: int = Field(512, gt=0)
     gamma: float | None = Field(None, gt=0)  # default: by block size (see anchors.gamma_for_block_size)
@@ -174,11 +177,6 @@ class TrainRecipe(_Section):
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
 
-    @model_validator(mode="after")
-    def _combinations(self) -> TrainRecipe:
-        if self.objective.loss == "kl" and self.data.features == "offline":
-            raise ValueError("objective.loss: kl needs the target's logits; use data.features: online or memory")
-        return self
 
 
 # fields that define what is trained: a run folder can only be resumed with the same values

@@ -51,3 +51,40 @@ eval: {{enabled: true, max_prompts: 2, max_new_tokens: 8}}
     assert summary["eval"]["tau"] == report["tau"] and 1.0 <= report["tau"] <= 8.0
     assert summary["eval"]["lossless"] is True and report["draft"] == str(out / "final")
     assert (out / "eval.png").is_file()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_kl_to_the_targets_topk_trains_a_reduced_vocab_drafter(tmp_path, smollm2_path, smollm2):
+    """`--set objective.loss=kl` on SmolLM2 with memory features and a 512-id draft vocab: the target's
+    top-32 are computed with the features, mapped into the draft vocab, and the KL falls."""
+    from conftest import make_train_prepared
+
+    from dflash_train.model.checkpoint import load_drafter
+
+    rows = make_train_prepared(tmp_path / "rows", smollm2_path, n=12)
+    recipe = tmp_path / "kl.yaml"
+    recipe.write_text(f"""# target: SmolLM2 (embedded)
+data: {{prepared: {rows}, features: memory, holdout_fraction: 0.25}}
+drafter: {{num_layers: 1, block_size: 8, mask_token_id: 16, draft_vocab_size: 512}}
+objective: {{anchors_per_document: 32, logits_chunk: 256}}
+optim: {{lr: 3.0e-3, epochs: 50, warmup_ratio: 0.0, schedule: constant}}
+batch: {{tokens_per_microbatch: 512}}
+checkpoint: {{save_every: 100}}
+logging: {{log_every: 1, eval_every: 4, progress: false}}
+eval: {{enabled: false}}
+""")
+    out = tmp_path / "run"
+    res = subprocess.run([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out),
+                          "--max-steps", "12", "--set", "objective.loss=kl", "--set", "objective.kl_topk=32"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "loss: kl  # --set" in (out / "resolved_config.yaml").read_text()
+    state = json.loads((out / "checkpoints" / "step-000012" / "trainer_state" / "state.json").read_text())
+    train = [h["loss"] for h in state["history"] if h["split"] == "train"]
+    val = [h["loss"] for h in state["history"] if h["split"] == "val"]
+    assert len(train) == 12 and len(val) == 3 and all(x >= 0 for x in train + val)  # a KL
+    assert sum(train[-3:]) / 3 < 0.8 * sum(train[:3]) / 3, train
+    assert val[-1] < val[0], val  # the same held-out rows and anchors each time
+    draft = load_drafter(out / "final", target_config=smollm2[0].config)
+    assert draft.config.draft_vocab_size == 512 and draft.lm_head.weight.shape[0] == 512

@@ -237,3 +237,39 @@ def test_resume_after_sigkill(prepared, cache, tmp_path):
         a, b = fc.document(i), ref.document(i)
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.greedy_next, b.greedy_next)
         torch.testing.assert_close(a.features.float(), b.features.float(), rtol=2 ** -7, atol=1e-5)
+
+
+def test_topk_round_trip_and_a_cache_without_topk_refused_for_kl(cache, prepared, smollm2, tmp_path):
+    """A cache written with topk=k holds, per token, exactly the top-k ids and bf16 log-probs the
+    target forward of the writer's batches gives; features and greedy tokens are those of a plain
+    cache; a cache without top-k (or with a smaller k) asked for kl is refused by name."""
+    from dflash_train.features.online import pad_right, target_forward
+
+    out = write_feature_cache(None, prepared, tmp_path / "top", batch_size=3, rows_per_shard=4,
+                              model=smollm2[0], topk=8)
+    m = json.loads((out / MANIFEST_FILE).read_text())
+    assert m["topk"] == 8 and m["complete"]
+    plain, top = FeatureCache(cache), FeatureCache(out, topk=8)
+    rows = [plain.document(i) for i in range(len(plain))]
+    for lo in (0, 4):  # the writer's shards and batches
+        shard = rows[lo: lo + 4]
+        for idx in shard_batches([len(d) for d in shard], 3):
+            ids, attn = pad_right([shard[j].input_ids for j in idx])
+            _, _, top_ids, top_logp = target_forward(smollm2[0], LAYERS, ids, attn, topk=8)
+            for b, j in enumerate(idx):
+                d, n = top.document(lo + j), len(shard[j])
+                assert d.target_topk_ids.dtype == torch.int32 and d.target_topk_logp.dtype == torch.bfloat16
+                assert torch.equal(d.target_topk_ids, top_ids[b, :n])
+                assert torch.equal(d.target_topk_logp, top_logp[b, :n].bfloat16())
+                assert torch.equal(d.features, shard[j].features) and torch.equal(d.greedy_next, shard[j].greedy_next)
+                assert torch.equal(d.target_topk_ids[:, 0].long(), d.greedy_next)
+    per_token = bytes_per_token(m["feature_dim"], m["dtype"], 8)
+    assert per_token == 5777 + 8 * 6
+    assert 0 < sum(s["bytes"] for s in m["shards"]) - per_token * m["num_tokens"] < 2048 * len(m["shards"])
+    # a larger k or no top-k at all is refused, naming the folder and the fix
+    with pytest.raises(DataError, match=rf"{cache}: the feature cache holds no top-k.*--topk 32"):
+        FeatureCache(cache, topk=32)
+    with pytest.raises(DataError, match="holds 8 top-k.*kl_topk 16.*--topk 16"):
+        FeatureCache(out, topk=16)
+    with pytest.raises(DataError, match="topk: 8 there, 0 now"):  # resuming with another k is refused
+        write_feature_cache(None, prepared, out, batch_size=3, rows_per_shard=4, model=smollm2[0])

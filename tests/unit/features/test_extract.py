@@ -48,3 +48,47 @@ def test_last_layer_uses_hf_post_norm_state(smollm2, ids):
 def test_layer_id_beyond_target_is_rejected(smollm2):
     with pytest.raises(ConfigError, match="layer id 30 is outside"):
         TargetFeatures(smollm2[0], [1, 30])
+
+
+def test_topk_log_probs_come_from_the_same_forward_as_the_features(smollm2, ids):
+    model, _ = smollm2
+    layer_ids = [2, 9, 15]
+    out = TargetFeatures(model, layer_ids)(ids, with_next_tokens=True, topk=8)
+    ref = model(ids, output_hidden_states=True)
+    expected = torch.cat([ref.hidden_states[t + 1] for t in layer_ids], dim=-1)
+    torch.testing.assert_close(out.features, expected, rtol=0, atol=1e-5)
+    ref_logp, ref_ids = torch.log_softmax(ref.logits.float(), -1).topk(8, dim=-1)
+    assert out.topk_ids.shape == (2, 24, 8) and out.topk_ids.dtype == torch.int32
+    assert torch.equal(out.topk_ids, ref_ids.int())
+    torch.testing.assert_close(out.topk_logp, ref_logp, rtol=0, atol=1e-4)
+    assert torch.equal(out.next_tokens, ref.logits.argmax(-1))
+    assert bool((out.topk_logp[..., :-1] >= out.topk_logp[..., 1:]).all())  # largest first
+
+
+def test_head_outputs_never_hold_more_than_a_chunk_of_logits(smollm2, ids):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from dflash_train.features.extract import head_outputs
+
+    class Largest(TorchDispatchMode):
+        biggest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # logits-like results (the head's transposed/expanded views [.., H, V] are not allocations)
+            sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() > 1
+                     and t.shape[-2] != 576]
+            Largest.biggest = max([Largest.biggest, *sizes])
+            return out
+
+    model, _ = smollm2
+    final = torch.randn(2, 24, 576)
+    head = model.get_output_embeddings()
+    with Largest():
+        greedy, top_ids, top_logp = head_outputs(head, final, topk=4, chunk=5)
+    vocab = head.weight.shape[0]
+    assert Largest.biggest == 5 * vocab  # one chunk of 5 positions' logits, never [2, 24, V]
+    logits = head(final)
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.equal(top_ids.long(), torch.log_softmax(logits, -1).topk(4, dim=-1).indices)

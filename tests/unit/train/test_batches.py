@@ -239,3 +239,39 @@ def test_microbatch_forward_and_backward_never_sync_on_gpu(attention):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert stats.summary()["positions"] > 0
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_kl_to_a_one_hot_topk_on_the_greedy_token_is_the_greedy_cross_entropy(reduced):
+    """Top-k whose mass is all on the greedy token (the rest far below) make the kl loss the ce loss,
+    slot for slot: the top-k travel with their documents to the labelled slots' source positions, and
+    with a reduced vocab the greedy ids outside it are dropped (the other top-k ids are outside too)
+    exactly as ce drops them. Moving the mass to an id the vocab has scores those slots as well."""
+    from dflash_train.model.init import reduce_drafter_vocab
+
+    model = base = tiny_model()
+    if reduced:  # 120 of 300 ids: about 60% of the greedy labels fall outside
+        counts = torch.zeros(V, dtype=torch.long)
+        counts[torch.randperm(V, generator=torch.Generator().manual_seed(4))[:120]] = 1
+        model = reduce_drafter_vocab(base, counts, 120, base._target_lm_head)
+        model.attach_target_weights(base._target_embed, base._target_lm_head)
+    outside = (~model.t2d).nonzero().squeeze(1) if reduced else torch.arange(V)
+    docs = random_docs([40, 31, 52])
+    for d in docs:
+        rest = outside[torch.randint(0, outside.numel(), (len(d), 5), generator=torch.Generator().manual_seed(len(d)))]
+        d.target_topk_ids = torch.cat([d.greedy_next[:, None], rest], 1).int()
+        d.target_topk_logp = torch.tensor([0.0, -200.0, -200.0, -200.0, -200.0, -200.0]).expand(len(d), 6).bfloat16()
+    mb = build_microbatch(docs, [0, 1, 2], block_size=4, anchors_per_document=12, labels="greedy", seed=0, epoch=0)
+    assert mb.target_topk[0].shape == (int(mb.valid.sum()), 6)
+    ce, ce_stats = microbatch_loss(model, mb, loss="ce", chunk=16)
+    kl, kl_stats = microbatch_loss(model, mb, loss="kl", chunk=16)
+    torch.testing.assert_close(kl, ce, atol=1e-4, rtol=1e-5)
+    assert torch.equal(kl_stats.correct, ce_stats.correct)
+    if reduced:  # the greedy id is outside the vocab: the mass moves to the first top-k id inside it
+        inside = model.t2d.nonzero().squeeze(1)
+        for d in docs:
+            d.target_topk_ids[:, 1] = inside[d.greedy_next % inside.numel()].int()
+        mb = build_microbatch(docs, [0, 1, 2], block_size=4, anchors_per_document=12, labels="greedy", seed=0,
+                              epoch=0)
+        more, _ = microbatch_loss(model, mb, loss="kl", chunk=16)
+        assert float(more.detach()) > float(ce.detach()) + 1.0  # the slots ce skips now carry a loss

@@ -1,5 +1,6 @@
 """Memory-mode documents: features computed up front (length-sorted batches) equal the lazy ones."""
 
+import pytest
 import torch
 
 from dflash_train.features.target import load_target
@@ -19,8 +20,8 @@ def test_warm_computes_every_row_once_and_matches_lazy_features(train_tiny_targe
         raise AssertionError(f"rows {_idx} were computed again")
 
     monkeypatch.setattr(warm, "_compute", no_compute)
-    got, _ = warm.get(idx)
-    ref, _ = lazy.get(idx)
+    got = warm.get(idx)
+    ref = lazy.get(idx)
     for g, r, i in zip(got, ref, idx, strict=True):
         assert len(g) == len(rows[i]["input_ids"])
         torch.testing.assert_close(g.features.float(), r.features.float(), rtol=0, atol=2e-2)  # bf16 storage
@@ -73,3 +74,46 @@ def test_a_mixture_is_prepared_per_source_and_reuses_each_source(tmp_path, train
     # the chat source was prepared once: the second mixture reused it
     assert len([p for p in (tmp_path / "cache" / "sources").iterdir()]) == 3
     assert (chat_parts[0] / "prepared" / "dataset_info.json").stat().st_mtime_ns == stamp
+
+
+def test_memory_mode_keeps_k_sized_topk_per_token(train_tiny_target, train_prepared):
+    """kl: each document holds int32 ids and bf16 log-probs [T, k] (6 bytes per token per k, aligned
+    like greedy_next), never anything vocabulary-sized; they are the target's own top-k."""
+    from dflash_train.features.extract import TargetFeatures
+
+    model, _ = load_target(str(train_tiny_target), dtype=torch.float32, device="cpu")
+    rows = load_rows(train_prepared)
+    source = DocumentSource(rows, "memory", model, [1, 3, 5], topk=32, target_hidden=64)
+    source.warm([0, 1, 2], progress=False)
+    vocab = model.config.vocab_size
+    for i in (0, 1, 2):
+        d = source.get([i])[0]
+        n = len(rows[i]["input_ids"])
+        assert d.target_topk_ids.shape == d.target_topk_logp.shape == (n, 32)
+        assert d.target_topk_ids.dtype == torch.int32 and d.target_topk_logp.dtype == torch.bfloat16
+        topk_bytes = sum(t.untyped_storage().nbytes() for t in (d.target_topk_ids, d.target_topk_logp))
+        assert topk_bytes == n * 32 * 6  # not a view into the padded batch, not [T, V] (x 49152 / 32)
+        assert max(t.numel() for t in (d.input_ids, d.features, d.greedy_next, d.target_topk_ids)) < n * vocab / 100
+        alone = TargetFeatures(model, [1, 3, 5])(d.input_ids, with_next_tokens=True, topk=32)
+        agree = (alone.topk_ids[0] == d.target_topk_ids).float().mean()
+        assert agree >= 0.99  # the batch of three pads rows: fp32 ties may swap
+        torch.testing.assert_close(d.target_topk_logp.float(), alone.topk_logp[0], rtol=2 ** -7, atol=1e-2)
+    assert DocumentSource(rows, "memory", model, [1, 3, 5], target_hidden=64).get([0])[0].target_topk_ids is None
+
+
+def test_offline_topk_comes_from_the_cache_and_a_larger_cache_k_is_cut(train_tiny_target, train_prepared, tmp_path):
+    from dflash_train.errors import DataError
+    from dflash_train.features.cache import FeatureCache, write_feature_cache
+
+    model, _ = load_target(str(train_tiny_target), dtype=torch.float32, device="cpu")
+    out = write_feature_cache(str(train_tiny_target), train_prepared, tmp_path / "feats", target_layer_ids=[1, 3, 5],
+                              model=model, topk=8)
+    rows = load_rows(train_prepared)
+    source = DocumentSource(rows, "offline", feature_cache=FeatureCache(out, topk=4), target_layer_ids=[1, 3, 5],
+                            topk=4, target_hidden=64)
+    full = FeatureCache(out).document(5)
+    got = source.get([5])[0]
+    assert torch.equal(got.target_topk_ids, full.target_topk_ids[:, :4])
+    assert torch.equal(got.target_topk_logp, full.target_topk_logp[:, :4])
+    with pytest.raises(DataError, match=rf"{out}: the feature cache holds 8 top-k.*features --topk 32"):
+        FeatureCache(out, topk=32)

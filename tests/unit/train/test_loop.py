@@ -183,11 +183,11 @@ class _EngineOnMeta:
         self.steps += 1
 
 
-@pytest.mark.parametrize("attention", ["split", "dense"])
-def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attention):
+@pytest.mark.parametrize("attention, loss", [("split", "ce"), ("dense", "ce"), ("split", "kl")])
+def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attention, loss):
     """The whole step with the drafter on the meta device, where every read of a device value (item,
     float, .cpu(), a boolean-mask index, a data-dependent shape) raises: the statistics, token count
-    and loss scale stay on the device until the loop logs them."""
+    and loss scale stay on the device until the loop logs them; kl's top-k teacher too."""
     from dflash_train.features.target import load_target
     from dflash_train.model.config import DFlashConfig
     from dflash_train.model.modeling_dflash import DFlashDraftModel
@@ -200,10 +200,11 @@ def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attent
 
     recipe = load_recipe(None, base={"data": {"prepared": str(train_prepared), "features": "memory"},
                                      "drafter": {"num_layers": 2, "block_size": 4, "mask_token_id": 16},
-                                     "batch": {"tokens_per_microbatch": 256, "grad_accum": 2}}).recipe
+                                     "batch": {"tokens_per_microbatch": 256, "grad_accum": 2},
+                                     "objective": {"loss": loss, "kl_topk": 4}}).recipe
     target, _ = load_target(str(train_tiny_target), dtype=torch.float32, device="cpu")
     rows = load_rows(train_prepared)
-    source = DocumentSource(rows, "memory", target, [1, 3], target_hidden=64)
+    source = DocumentSource(rows, "memory", target, [1, 3], target_hidden=64, topk=4 if loss == "kl" else None)
     plan = StepPlan(list(range(len(source))), source.lengths, recipe, 1)
     cfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=49152, draft_vocab_size=49152,

@@ -14,7 +14,13 @@ from dflash_train.train.loss import (
     head_loss,
     reference_head_loss,
     slot_correct,
+    topk_soft_targets,
 )
+
+
+def _full_target(logp):
+    """The kl target over the whole vocabulary (k = V): every id with its probability."""
+    return torch.arange(logp.shape[1]).expand(logp.shape).clone(), logp.exp()
 
 
 @pytest.mark.parametrize("kind", ["ce", "kl"])
@@ -26,7 +32,7 @@ def test_chunked_equals_unchunked(kind, chunk):
     weight = torch.randn(v, h, generator=g)
     labels = torch.randint(0, v, (m,), generator=g)
     w = torch.rand(m, generator=g)
-    tlp = torch.log_softmax(torch.randn(m, v, generator=g), -1)
+    tlp = _full_target(torch.log_softmax(torch.randn(m, v, generator=g), -1))
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     ref, ref_pred = reference_head_loss(h1, w1, labels, w, kind, tlp)
@@ -64,7 +70,7 @@ def test_block_stats_acceptance_and_accuracy():
 def _head_inputs(m=96, h=64, v=1000, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(m, h, generator=g), torch.randn(v, h, generator=g) * 0.5, torch.randint(0, v, (m,), generator=g),
-            torch.rand(m, generator=g), torch.log_softmax(torch.randn(m, v, generator=g), -1))
+            torch.rand(m, generator=g), _full_target(torch.log_softmax(torch.randn(m, v, generator=g), -1)))
 
 
 @pytest.mark.parametrize("kind", ["ce", "kl"])
@@ -141,3 +147,101 @@ def test_accept_lengths_stop_at_the_first_wrong_or_unlabelled_slot():
     assert correct.tolist() == [[False, True, True, True], [False, True, False, False],
                                 [False, False, True, True], [False] * 4]
     assert accept_lengths(correct).tolist() == [4, 2, 1, 1]
+
+
+def _topk_inputs(m=29, h=16, v=97, k=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    hidden, weight = torch.randn(m, h, generator=g), torch.randn(v, h, generator=g)
+    logp, ids = torch.log_softmax(torch.randn(m, v, generator=g) * 3, -1).topk(k, dim=-1)
+    return hidden, weight, ids.int(), logp, torch.randint(0, v, (m,), generator=g), torch.rand(m, generator=g)
+
+
+def _dense_teacher(ids, logp, kept, labels):
+    """An independent dense reference of the teacher: [M, Vd] probabilities over the draft vocab
+    `kept` (sorted target ids), the target's top-k renormalised over the kept ones, or one-hot on the
+    label where none is kept; and which rows can be scored at all."""
+    index = {int(t): d for d, t in enumerate(kept)}
+    p = torch.zeros(ids.shape[0], len(kept))
+    scored = torch.ones(ids.shape[0], dtype=torch.bool)
+    for r in range(ids.shape[0]):
+        cols = [(index[int(t)], float(lp)) for t, lp in zip(ids[r], logp[r], strict=True) if int(t) in index]
+        if cols:
+            z = sum(torch.tensor(lp).exp() for _, lp in cols)
+            for c, lp in cols:
+                p[r, c] = float(torch.tensor(lp).exp() / z)
+        elif int(labels[r]) in index:
+            p[r, index[int(labels[r])]] = 1.0
+        else:
+            scored[r] = False
+    return p, scored
+
+
+def _to_draft(target_ids, kept):
+    """target ids -> draft ids (-100 outside the draft vocab), as DFlashDraftModel.target_to_draft does."""
+    lookup = torch.full((int(kept.max()) + 1 + 1000,), -100, dtype=torch.long)
+    lookup[kept] = torch.arange(kept.numel())
+    return lookup[target_ids.long()]
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+@pytest.mark.parametrize("chunk", [1, 5, None])
+def test_topk_kl_loss_and_grads_equal_a_dense_autograd_kl(reduced, chunk):
+    hidden, weight, ids, logp, labels, w = _topk_inputs()
+    v = weight.shape[0]
+    kept = torch.arange(v)
+    if reduced:  # a draft vocab of 40 of the 97 ids: some rows keep part of their top-k, some none
+        kept = torch.sort(torch.randperm(v, generator=torch.Generator().manual_seed(3))[:40]).values
+        ids[0] = torch.tensor([i for i in range(v) if i not in set(kept.tolist())][:ids.shape[1]])  # none kept
+        ids[1] = ids[0]
+        labels[0], labels[1] = kept[7], [i for i in range(v) if i not in set(kept.tolist())][-1]
+    head = weight[kept]
+    draft_labels = _to_draft(labels, kept)
+    p_dense, scored = _dense_teacher(ids, logp, kept, labels)
+    tids, p, scored_fused = topk_soft_targets(_to_draft(ids, kept), logp, draft_labels)
+    assert torch.equal(scored_fused, scored)
+    if reduced:
+        assert not scored[1] and scored[0] and p_dense[0, 7] == 1.0  # fallback to the label, or unscored
+        in_vocab = (_to_draft(ids, kept) >= 0).sum(1)
+        assert ((in_vocab > 0) & (in_vocab < ids.shape[1])).any()  # rows renormalised over part of their top-k
+    # the dense autograd KL(p || q), over the draft vocab, weighted per row
+    h1, w1 = hidden.clone().requires_grad_(), head.clone().requires_grad_()
+    logq = torch.log_softmax(h1 @ w1.t(), -1)
+    ref = (w * scored * (torch.xlogy(p_dense, p_dense) - p_dense * logq).sum(-1)).sum()
+    h2, w2 = hidden.clone().requires_grad_(), head.clone().requires_grad_()
+    out, pred = head_loss(h2, w2, draft_labels.clamp(min=0), w * scored_fused, "kl", (tids, p), chunk=chunk)
+    (ref * 0.7).backward()
+    (out * 0.7).backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h2.grad, h1.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w2.grad, w1.grad, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pred, (hidden @ head.t()).argmax(-1))
+    assert float(out.detach()) >= 0  # a KL, not only a soft cross-entropy
+    r_out, _ = reference_head_loss(hidden, head, draft_labels.clamp(min=0), w * scored_fused, "kl", (tids, p))
+    torch.testing.assert_close(r_out, ref.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_topk_with_k_equal_to_the_vocab_is_the_old_full_kl():
+    g = torch.Generator().manual_seed(5)
+    m, h, v = 17, 12, 53
+    hidden, weight, w = torch.randn(m, h, generator=g), torch.randn(v, h, generator=g), torch.rand(m, generator=g)
+    tlp = torch.log_softmax(torch.randn(m, v, generator=g), -1)
+    logp_k, ids_k = tlp.topk(v, dim=-1)  # k = V, sorted: every id once
+    tids, p, scored = topk_soft_targets(ids_k, logp_k, torch.zeros(m, dtype=torch.long))
+    assert scored.all() and torch.allclose(p.sum(-1), torch.ones(m), atol=1e-6)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    logq = torch.log_softmax(h1 @ weight.t(), -1)
+    old = (w * (tlp.exp() * (tlp - logq)).sum(-1)).sum()  # the full-vocabulary KL the loss used to take
+    new, _ = head_loss(h2, weight, torch.zeros(m, dtype=torch.long), w, "kl", (tids, p), chunk=4)
+    old.backward()
+    new.backward()
+    torch.testing.assert_close(new, old, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h2.grad, h1.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_a_one_hot_teacher_is_cross_entropy():
+    hidden, weight, _, _, labels, w = _topk_inputs(k=3)
+    ids = torch.stack([labels, (labels + 1) % weight.shape[0], (labels + 2) % weight.shape[0]], 1)
+    p = torch.tensor([1.0, 0.0, 0.0]).expand(ids.shape)
+    kl, _ = head_loss(hidden, weight, labels, w, "kl", (ids, p), chunk=8)
+    ce, _ = head_loss(hidden, weight, labels, w, "ce", chunk=8)
+    torch.testing.assert_close(kl, ce, atol=1e-5, rtol=1e-6)

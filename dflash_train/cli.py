@@ -259,8 +259,8 @@ def eval_command(
 def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo folder (the drafter lands in OUTPUT/drafter)."),
          config: Optional[Path] = typer.Option(None, "--config", help="Recipe (default: recipes/smollm2-135m-demo.yaml)."),
          overrides: list[str] = typer.Option([], "--set", help="Override a recipe field: --set optim.epochs=2."),
-         num_prompts: int = typer.Option(12, "--num-prompts", help="Held-out prompts for the spec-decode eval."),
-         max_new_tokens: int = typer.Option(96, "--max-new-tokens", help="Tokens generated per eval prompt.")) -> None:
+         num_prompts: int = typer.Option(24, "--num-prompts", help="Held-out prompts for the spec-decode eval (the sources take turns)."),
+         max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per eval prompt.")) -> None:
     """The whole pipeline on the embedded SmolLM2 target: prepare, regenerate, train, eval, validate, convert, serve."""
     from rich.console import Console
     from rich.table import Table

@@ -42,7 +42,7 @@ def demo_stages(out: Path, recipe: Path, overrides: list[str], max_prompts: int,
 
 
 def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, overrides: list[str] | None = None,
-             max_prompts: int = 12, max_new_tokens: int = 96) -> dict:
+             max_prompts: int = 24, max_new_tokens: int = 64) -> dict:
     """Run every stage; returns the summary (also written to OUT/demo_summary.json)."""
     from dflash_train.outputs import ensure_folder, folder_stamp, plan_output
 

@@ -43,6 +43,11 @@ def test_paper_recipe_values():
     assert load_recipe(ROOT / "qwen3.5-9b-b16.yaml").recipe.drafter.mask_token_id == 248070
     demo = load_recipe(ROOT / "smollm2-135m-demo.yaml").recipe
     assert demo.target is None and demo.drafter.block_size == 8 and demo.drafter.mask_token_id == 16
+    # the demo mixes casual chat with ShareGPT (eval reports tau per source); features are cached once
+    from dflash_train.train.recipe import source_label
+
+    assert [source_label(s) for s in demo.data.source] == ["chitchat", "sharegpt"]
+    assert demo.data.features == "offline" and demo.data.holdout_fraction > 0
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))

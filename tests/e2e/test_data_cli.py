@@ -39,6 +39,14 @@ def test_prepare_then_features_then_errors(tmp_path):
     m = json.loads((tmp_path / "f" / "manifest.json").read_text())
     assert m["complete"] and m["target_layer_ids"] == [2, 9] and m["feature_dim"] == 2 * 576
 
+    # two sources mixed: each capped by --max-samples, each row labelled with its source
+    r = run("prepare", "--data", str(src), "--data", "chitchat", "--max-samples", "3", "--output",
+            str(tmp_path / "mix"), "--max-length", "64")
+    assert r.returncode == 0, r.stderr
+    mix = json.loads((tmp_path / "mix" / "prepare_summary.json").read_text())
+    assert mix["rows_in"] == 6 and mix["rows_by_source"]["chats"] == 3  # a chitchat row may drop (too long)
+    assert set(mix["rows_by_source"]) == {"chats", "chitchat"} and sum(mix["rows_by_source"].values()) == mix["rows"]
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "x"}) + "\n")
     r = run("prepare", "--data", str(bad), "--output", str(tmp_path / "b"))

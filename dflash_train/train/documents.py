@@ -217,6 +217,16 @@ class DocumentSource:
         return result
 
 
+def cache_complete(path: Path) -> bool:
+    """Whether the feature cache folder at `path` holds a complete cache (its manifest says so)."""
+    from dflash_train.features.cache import MANIFEST_FILE
+
+    try:
+        return bool(json.loads((path / MANIFEST_FILE).read_text()).get("complete"))
+    except (OSError, ValueError):
+        return False
+
+
 def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None):
     """The data stage's FeatureCache for these rows and layer ids (written once if missing); with
     `topk` (the kl loss) its shards must hold at least k top-k log-probs per token."""
@@ -230,6 +240,6 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
     else:
         name = f"features-{'-'.join(map(str, layer_ids))}" + (f"-top{topk}" if topk else "")
         path = data_cache_root(data, target_path) / name
-        if not path.exists():
+        if not cache_complete(path):  # missing, or left incomplete by an interrupted run: (re)write resumes it
             write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk)
     return FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk)

@@ -117,3 +117,26 @@ def test_offline_topk_comes_from_the_cache_and_a_larger_cache_k_is_cut(train_tin
     assert torch.equal(got.target_topk_logp, full.target_topk_logp[:, :4])
     with pytest.raises(DataError, match=rf"{out}: the feature cache holds 8 top-k.*features --topk 32"):
         FeatureCache(out, topk=32)
+
+
+def test_an_interrupted_data_cache_feature_cache_is_finished_not_refused(tmp_path, train_tiny_target, train_prepared):
+    import json
+
+    from dflash_train.features.cache import MANIFEST_FILE
+    from dflash_train.train.documents import cache_complete, offline_cache
+    from dflash_train.train.recipe import DataConfig
+
+    data = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path))
+    cache = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5])
+    whole = [cache.document(i).features.clone() for i in range(len(cache))]
+    # as a kill leaves it: the manifest not complete, the last shard gone
+    manifest = json.loads((cache.path / MANIFEST_FILE).read_text())
+    last = manifest["shards"].pop()
+    (cache.path / last["file"]).unlink()
+    manifest["complete"] = False
+    (cache.path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert not cache_complete(cache.path)
+    again = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5])
+    assert cache_complete(again.path) and again.path == cache.path
+    for i, features in enumerate(whole):
+        torch.testing.assert_close(again.document(i).features, features, rtol=0, atol=0)

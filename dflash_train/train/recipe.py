@@ -81,9 +81,9 @@ class DataConfig(_Section):
 
 def source_label(spec: SourceConfig) -> str:
     """A mixture source's row label: its `label`, else the shipped name / file stem / hub id."""
-    if spec.label:
-        return spec.label
-    return Path(spec.source).stem if Path(spec.source).suffix else spec.source.rstrip("/").split("/")[-1]
+    from dflash_train.data.prepare import default_label
+
+    return spec.label or default_label(spec.source)
 
 
 class DrafterConfig(_Section):

@@ -56,12 +56,12 @@ def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
 
     parts = []
     for spec in data.source:
-        max_samples = spec.max_samples or data.max_samples
+        max_samples, label = spec.max_samples or data.max_samples, source_label(spec)
         ident = {"target": target_path, "source": spec.source, "max_samples": max_samples, "split": spec.split,
-                 "subset": spec.subset, "label": source_label(spec), "max_length": data.max_length,
+                 "subset": spec.subset, "label": label, "max_length": data.max_length,
                  "max_turns": data.max_turns, "regenerate": data.regenerate.model_dump(mode="json")}
         parts.append(_source_rows(data, target_path, seed, spec.source, max_samples, spec.split, spec.subset,
-                                  source_label(spec), _cache_base(data) / "sources" / _key(ident)))
+                                  label, _cache_base(data) / "sources" / _key(ident)))
     mixed = data_cache_root(data, target_path) / "mixed"
     inputs = {"command": "combine", "target": target_path,
               "parts": [{"path": str(p), "fingerprint": load_rows(p)._fingerprint} for p in parts]}

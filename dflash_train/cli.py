@@ -134,7 +134,10 @@ def features(data: Path = typer.Option(..., "--data", help="A prepared dataset f
                                                       "CPU, 4 on CUDA)."),
              rows_per_shard: int = typer.Option(256, "--rows-per-shard", help="Rows per safetensors shard."),
              topk: Optional[int] = typer.Option(None, "--topk", help="Also store the target's top-k next-token "
-                                                "log-probs per token (objective.loss: kl; its kl_topk, e.g. 32).")) -> None:
+                                                "log-probs per token (objective.loss: kl; its kl_topk, e.g. 32)."),
+             target_dtype: str = typer.Option("auto", "--target-dtype", help="What the target computes in: auto "
+                                              "(bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 "
+                                              "(data.target_dtype).")) -> None:
     """Write offline target features (sharded safetensors + manifest)."""
     from dflash_train.errors import ConfigError
     from dflash_train.features.cache import FeatureCache, bytes_per_token, write_feature_cache
@@ -146,11 +149,11 @@ def features(data: Path = typer.Option(..., "--data", help="A prepared dataset f
     stats: dict = {}
     path = write_feature_cache(target, data, output, target_layer_ids=ids or None, batch_size=batch_size,
                                rows_per_shard=rows_per_shard, batch_tokens=batch_tokens, io_threads=io_threads,
-                               stats=stats, topk=topk)
+                               stats=stats, topk=topk, target_dtype=target_dtype)
     m = FeatureCache(path).manifest
     per_token = bytes_per_token(m["feature_dim"], m["dtype"], m["topk"])
     typer.echo(f"wrote {path}: {m['num_rows']} rows, {m['num_tokens']} tokens, {len(m['shards'])} shards, "
-               f"layers {m['target_layer_ids']}; {per_token * 1e6 / 1e9:.2f} GB per 1M tokens "
+               f"layers {m['target_layer_ids']} computed in {m.get('target_dtype', 'float32')}; {per_token * 1e6 / 1e9:.2f} GB per 1M tokens "
                f"({len(m['target_layer_ids'])} layers x {m['hidden_size']} {m['dtype']} + 17 bytes of ids and mask"
                + (f" + {6 * m['topk']} of top-{m['topk']} log-probs)" if m["topk"] else ")"))
     if stats.get("tokens"):

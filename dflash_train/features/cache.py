@@ -52,7 +52,7 @@ IO_THREADS_CUDA = 4
 SAFETY = 0.6
 TOPK_KEYS = ("target_topk_ids", "target_topk_logp")
 _INPUT_KEYS = ("target_revision", "target_layer_ids", "dtype", "rows_per_shard", "data_fingerprint", "num_rows",
-               "topk")
+               "topk", "target_dtype")
 
 
 def shard_name(k: int) -> str:
@@ -115,7 +115,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
                         target_layer_ids: list[int] | None = None, batch_size: int | None = None,
                         rows_per_shard: int = 256, dtype: str = "bfloat16", model=None,
                         batch_tokens: int | None = None, io_threads: int | None = None,
-                        stats: dict | None = None, topk: int | None = None) -> Path:
+                        stats: dict | None = None, topk: int | None = None, target_dtype: str | None = None) -> Path:
     """Compute and store target features for every row of a prepared dataset (resumable).
 
     `model`: an already loaded target (benchmarks, tests); by default it is loaded from `target`.
@@ -123,6 +123,8 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     default to 8 / unlimited / 1 on CPU and unlimited / `batch_tokens_that_fit` / 4 on CUDA.
     `stats`, when given, receives the tokens computed, seconds, and seconds the forward waited on the writers.
     `topk`: also store the target's top-k next-token ids and log-probs (for `objective.loss: kl`).
+    `target_dtype`: what the target computes in (float32, bfloat16; default bfloat16 on CUDA, float32 on
+    CPU); `dtype` is what the features are stored in.
     """
     from tqdm import tqdm
 
@@ -130,7 +132,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     from dflash_train.features.extract import num_target_layers
     from dflash_train.features.layer_ids import check_target_layer_ids, default_target_layer_ids
     from dflash_train.features.online import pad_right, target_forward
-    from dflash_train.features.target import DEFAULT_TARGET_NAME, load_target, resolve_target
+    from dflash_train.features.target import DEFAULT_TARGET_NAME, load_target, resolve_target, target_torch_dtype
 
     if dtype not in _DTYPES:
         raise DataError(f"dtype {dtype!r}: choose one of {sorted(_DTYPES)}")
@@ -147,8 +149,9 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     target_path = resolve_target(target)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if model is None:
-        model, _ = load_target(target_path, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
+        model, _ = load_target(target_path, dtype=target_torch_dtype(target_dtype, device), device=device)
     device = next(model.parameters()).device
+    compute = str(next(model.parameters()).dtype).removeprefix("torch.")
     n_layers = num_target_layers(model)
     layer_ids = [int(t) for t in (target_layer_ids or default_target_layer_ids(n_layers, 5))]
     check_target_layer_ids(layer_ids, n_layers, "--layer-ids")
@@ -167,7 +170,8 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
         "aux_hidden_state_layer_ids": [t + 1 for t in layer_ids], "hidden_size": hidden,
         "feature_dim": hidden * len(layer_ids), "dtype": dtype, "num_rows": len(ds),
         "num_tokens": sum(lengths_all), "rows_per_shard": rows_per_shard,
-        "data_path": str(Path(data).resolve()), "data_fingerprint": ds._fingerprint, "topk": topk, "shards": [],
+        "data_path": str(Path(data).resolve()), "data_fingerprint": ds._fingerprint, "topk": topk,
+        "target_dtype": compute, "shards": [],
     }
     manifest["shards"] = _resumable_shards(out, manifest)
     if manifest["complete"]:
@@ -264,7 +268,9 @@ def _resumable_shards(out: Path, manifest: dict) -> list[dict]:
     path = out / MANIFEST_FILE
     if not path.is_file():
         return []
-    old = {"topk": 0, **_read_manifest(out)}  # caches from before top-k have none
+    # caches from before top-k have none; those from before target_dtype was recorded computed in the
+    # device's default, which is what an unchanged recipe asks for again
+    old = {"topk": 0, "target_dtype": manifest["target_dtype"], **_read_manifest(out)}
     diff = [k for k in _INPUT_KEYS if old.get(k) != manifest.get(k)]
     if diff:
         raise DataError(f"{path}: this folder holds features from other inputs ("
@@ -299,7 +305,7 @@ class FeatureCache:
     """Read access to a complete cache; `document(i)` is row i of the prepared data."""
 
     def __init__(self, path: str | Path, target: str | None = None, target_layer_ids: list[int] | None = None,
-                 topk: int | None = None):
+                 topk: int | None = None, target_dtype: str | None = None):
         self.path = Path(path)
         self.manifest = {"topk": 0, **_read_manifest(self.path)}
         m = self.manifest
@@ -321,6 +327,10 @@ class FeatureCache:
             raise DataError(f"{self.path}: the feature cache holds {m['topk'] or 'no'} top-k target log-probs per "
                             f"token, but objective.loss: kl with kl_topk {topk} needs {topk}; rebuild it with "
                             f"`dflash-train features --topk {topk}` into a new folder (or lower objective.kl_topk)")
+        if target_dtype and m.get("target_dtype", target_dtype) != target_dtype:
+            raise DataError(f"{self.path}: features were computed by the target in {m['target_dtype']}, but "
+                            f"data.target_dtype asks for {target_dtype}; set data.target_dtype: {m['target_dtype']} "
+                            "or point data.feature_cache at another folder")
         self._starts = [s["rows"][0] for s in m["shards"]]
         self._open: dict[int, tuple] = {}
         self._data = None

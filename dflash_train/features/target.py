@@ -124,6 +124,19 @@ def load_tokenizer(target: str | os.PathLike | None):
         raise _unloadable(target or path, "tokenizer", exc) from exc
 
 
+def target_torch_dtype(name: str | None, device):
+    """The torch dtype a target computes in: `name` (float32, bfloat16), or for None / "auto" bfloat16
+    on CUDA and float32 elsewhere."""
+    import torch
+
+    if name in (None, "auto"):
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise DFlashError(f"target dtype {name!r}: choose auto, float32 or bfloat16")
+    return dtypes[name]
+
+
 def load_target(target: str | os.PathLike | None = None, dtype=None, device: str | None = None):
     """Load a frozen HF causal LM and its tokenizer. Returns (model, tokenizer)."""
     import torch

@@ -33,7 +33,7 @@ def _key(obj) -> str:
 def data_cache_root(data: DataConfig, target_path: str) -> Path:
     ident = {"target": target_path, **data.model_dump(mode="json", exclude={"features", "holdout_fraction",
                                                                              "cache_dir", "feature_cache",
-                                                                             "train_fraction"})}
+                                                                             "train_fraction", "target_dtype"})}
     return _cache_base(data) / _key(ident)
 
 
@@ -235,11 +235,19 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
     except ImportError as exc:
         raise MissingDependencyError("data.features: offline needs dflash_train.features.cache (not installed in "
                                      "this checkout); use data.features: memory or online") from exc
+    from dflash_train.features.target import target_torch_dtype
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    compute = str(target_torch_dtype(data.target_dtype, device)).removeprefix("torch.")
     if data.feature_cache:
         path = Path(data.feature_cache)
     else:
         name = f"features-{'-'.join(map(str, layer_ids))}" + (f"-top{topk}" if topk else "")
+        if compute != str(target_torch_dtype(None, device)).removeprefix("torch."):
+            name += f"-{compute}"  # another compute dtype than the device's default: a cache of its own
         path = data_cache_root(data, target_path) / name
         if not cache_complete(path):  # missing, or left incomplete by an interrupted run: (re)write resumes it
-            write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk)
-    return FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk)
+            write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk,
+                                target_dtype=compute)
+    return FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk,
+                        target_dtype=compute if data.target_dtype != "auto" else None)

@@ -227,7 +227,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     (resumed from where, damaged checkpoints skipped); by default they are warnings.
     """
     from convert.weights import write_json
-    from dflash_train.features.target import load_target, resolve_target
+    from dflash_train.features.target import load_target, resolve_target, target_torch_dtype
     from dflash_train.outputs import check_writable, ensure_folder, plan_output
 
     t_start = time.time()
@@ -247,8 +247,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
 
     # setup: target, drafter, data, engine -------------------------------------------------
     target_path = resolve_target(recipe.target)
-    gpu = world.device.type == "cuda"
-    target_model, tokenizer = load_target(target_path, dtype=torch.bfloat16 if gpu else torch.float32,
+    target_model, tokenizer = load_target(target_path, dtype=target_torch_dtype(recipe.data.target_dtype, world.device),
                                           device=str(world.device))
     if world.is_main:  # rank 0 prepares and caches; the others then read the cache
         data_path = prepared_rows(recipe.data, target_path, recipe.seed)

@@ -273,3 +273,31 @@ def test_topk_round_trip_and_a_cache_without_topk_refused_for_kl(cache, prepared
         FeatureCache(out, topk=16)
     with pytest.raises(DataError, match="topk: 8 there, 0 now"):  # resuming with another k is refused
         write_feature_cache(None, prepared, out, batch_size=3, rows_per_shard=4, model=smollm2[0])
+
+
+def test_target_dtype_is_an_input_of_the_cache(cache, prepared, tmp_path):
+    """Decision: the target's compute dtype is recorded; resuming with another one is refused, and a manifest
+    from before the key was recorded resumes as the device's default (float32 on CPU)."""
+    import shutil
+
+    m = json.loads((cache / MANIFEST_FILE).read_text())
+    assert m["target_dtype"] == "float32"
+    with pytest.raises(DataError, match="target_dtype: 'float32' there, 'bfloat16' now"):
+        write_feature_cache(None, prepared, cache, batch_size=3, rows_per_shard=4, target_dtype="bfloat16")
+    legacy = tmp_path / "legacy"
+    shutil.copytree(cache, legacy)
+    m.pop("target_dtype")
+    (legacy / MANIFEST_FILE).write_text(json.dumps(m))
+    assert write_feature_cache(None, prepared, legacy, batch_size=3, rows_per_shard=4) == legacy
+    assert sorted(p.name for p in legacy.iterdir()) == sorted(p.name for p in cache.iterdir())
+
+
+def test_target_dtype_names():
+    from dflash_train.errors import DFlashError
+    from dflash_train.features.target import target_torch_dtype
+
+    assert target_torch_dtype("auto", "cpu") is torch.float32
+    assert target_torch_dtype(None, "cuda:0") is torch.bfloat16
+    assert target_torch_dtype("bfloat16", "cpu") is torch.bfloat16
+    with pytest.raises(DFlashError, match="target dtype 'fp16': choose auto, float32 or bfloat16"):
+        target_torch_dtype("fp16", "cpu")

@@ -140,3 +140,26 @@ def test_an_interrupted_data_cache_feature_cache_is_finished_not_refused(tmp_pat
     assert cache_complete(again.path) and again.path == cache.path
     for i, features in enumerate(whole):
         torch.testing.assert_close(again.document(i).features, features, rtol=0, atol=0)
+
+
+def test_a_bfloat16_target_gets_a_feature_cache_of_its_own(tmp_path, train_tiny_target, train_prepared):
+    """Decision: data.target_dtype changes the features, not the rows: the prepared data's cache key stays
+    the same, and the features go to a folder named for the dtype, which a float32 recipe refuses."""
+    from dflash_train.errors import DataError
+    from dflash_train.features.cache import FeatureCache
+    from dflash_train.train.documents import data_cache_root, offline_cache
+    from dflash_train.train.recipe import DataConfig
+
+    fp32 = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path))
+    bf16 = fp32.model_copy(update={"target_dtype": "bfloat16"})
+    assert data_cache_root(fp32, str(train_tiny_target)) == data_cache_root(bf16, str(train_tiny_target))
+    a = offline_cache(fp32, str(train_tiny_target), train_prepared, [1, 3, 5])
+    b = offline_cache(bf16, str(train_tiny_target), train_prepared, [1, 3, 5])
+    assert b.path == a.path.with_name(a.path.name + "-bfloat16")
+    assert (a.manifest["target_dtype"], b.manifest["target_dtype"]) == ("float32", "bfloat16")
+    x, y = a.document(2).features.float(), b.document(2).features.float()
+    rel = ((x - y).norm() / x.norm()).item()
+    assert 0 < rel < 0.05  # computed in another dtype: close, not equal
+    with pytest.raises(DataError, match="computed by the target in bfloat16, but data.target_dtype asks for float32"):
+        FeatureCache(b.path, target_dtype="float32")
+    FeatureCache(a.path, target_dtype="float32")

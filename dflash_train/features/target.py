@@ -137,6 +137,11 @@ def target_torch_dtype(name: str | None, device):
     return dtypes[name]
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype as recipes and manifests spell it: torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def load_target(target: str | os.PathLike | None = None, dtype=None, device: str | None = None):
     """Load a frozen HF causal LM and its tokenizer. Returns (model, tokenizer)."""
     import torch

@@ -235,15 +235,15 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
     except ImportError as exc:
         raise MissingDependencyError("data.features: offline needs dflash_train.features.cache (not installed in "
                                      "this checkout); use data.features: memory or online") from exc
-    from dflash_train.features.target import target_torch_dtype
+    from dflash_train.features.target import dtype_name, target_torch_dtype
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    compute = str(target_torch_dtype(data.target_dtype, device)).removeprefix("torch.")
+    compute = dtype_name(target_torch_dtype(data.target_dtype, device))
     if data.feature_cache:
         path = Path(data.feature_cache)
     else:
         name = f"features-{'-'.join(map(str, layer_ids))}" + (f"-top{topk}" if topk else "")
-        if compute != str(target_torch_dtype(None, device)).removeprefix("torch."):
+        if compute != dtype_name(target_torch_dtype(None, device)):
             name += f"-{compute}"  # another compute dtype than the device's default: a cache of its own
         path = data_cache_root(data, target_path) / name
         if not cache_complete(path):  # missing, or left incomplete by an interrupted run: (re)write resumes it

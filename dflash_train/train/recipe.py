@@ -54,7 +54,7 @@ class DataConfig(_Section):
     features: Literal["online", "memory", "offline"] = "online"
     feature_cache: str | None = None  # an existing offline cache folder (features: offline)
     # the dtype the target computes features (and greedy labels) in; auto: bfloat16 on CUDA, float32 on
-    # CPU. bfloat16 on a CPU with AVX512-BF16/AMX is ~2.5x faster; its greedy tokens differ from float32's
+    # CPU. bfloat16 on a CPU with AVX512-BF16/AMX is ~2x faster; its greedy tokens differ from float32's
     # at ~2% of positions, so pair it with objective.labels: dataset on data the target regenerated
     target_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     holdout_fraction: float = Field(0.05, ge=0, lt=1)

@@ -8,7 +8,12 @@ work in both variants; the "ours" run also times it alone, which bounds the poss
 `--vocab 4096` measures a reduced draft vocabulary (formats.md §6; what the CPU demo trains),
 for both variants alike.
 
-Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256]
+`--precisions` instead compares our step in the three `engine.precision` modes at the demo's
+shape (B=8, 4K draft vocab, 448 anchors over the 1,024 tokens): fp32; bf16 (DeepSpeed's bf16: the
+weights themselves in bf16); bf16-mixed (fp32 weights, the forward under torch.autocast). It prints
+each one's step time against fp32 and its loss and gradient error against fp32.
+
+Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions]
 """
 
 from __future__ import annotations
@@ -114,13 +119,22 @@ def _head_alone(model, mb, chunk: int, steps: int) -> float:
     return sum(times) / len(times)
 
 
+DEMO = replace(SMOLLM2, vocab=4096, block=8, anchors=448)  # ~7 documents x 64 anchors in 1,024 tokens
+PRECISIONS = ("fp32", "bf16", "bf16-mixed")
+
+
 def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
+    """name: naive | ours (fp32, SMOLLM2 at `vocab`) | one of PRECISIONS (ours at the DEMO shape)."""
     import torch
 
     from dflash_train.train.batches import microbatch_loss
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    model, mb = _setup(vocab)
+    model, mb = build_step(DEMO) if name in PRECISIONS else _setup(vocab)
+    if name == "bf16":  # DeepSpeed's bf16 engine holds the drafter (and the frozen head) in bf16
+        model.to(torch.bfloat16)
+        model.attach_target_weights(model._target_embed.bfloat16(), model._target_lm_head.bfloat16())
+        mb.packed.features = mb.packed.features.bfloat16()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     positions = int((mb.labels != -100).sum())
     times, losses = [], []
@@ -129,15 +143,18 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         if name == "naive":
             loss = _naive_loss(model, mb)
         else:
-            loss, _ = microbatch_loss(model, mb, attention="split", chunk=chunk)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16-mixed"):
+                loss, _ = microbatch_loss(model, mb, attention="split", chunk=chunk)
         (loss / mb.weight_sum).backward()
         losses.append(float(loss) / mb.weight_sum)
+        if i == 0:
+            grad = model.fc.weight.grad.float().flatten()
         opt.zero_grad(set_to_none=True)  # no update: every step measures the same loss
         if i:
             times.append(time.perf_counter() - t0)
     step_s = sum(times) / len(times)
     out = {"variant": name, "step_s": step_s, "positions_per_s": positions / step_s, "loss": losses[0],
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "fc_grad": grad.tolist()[:4096]}
     if name == "ours":
         out["head_s"] = _head_alone(model, mb, chunk, steps)
     return out
@@ -148,18 +165,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=49152, help="LM head rows (49152 = SmolLM2's full vocabulary)")
     ap.add_argument("--chunk", type=int, default=256, help="positions per LM-head chunk (ours)")
+    ap.add_argument("--precisions", action="store_true",
+                    help="compare engine.precision fp32 / bf16 / bf16-mixed at the demo's shape instead")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.steps, args.vocab, args.chunk)))
         return
     results = {}
-    for name in ("naive", "ours"):
+    for name in PRECISIONS if args.precisions else ("naive", "ours"):
         out = subprocess.run([sys.executable, __file__, "--variant", name, "--steps", str(args.steps),
                               "--vocab", str(args.vocab), "--chunk", str(args.chunk)], capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
         results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    if args.precisions:
+        _print_precisions(results, args)
+        return
     n, o = results["naive"], results["ours"]
     print(f"T={T} anchors={ANCHORS} B={B} hidden={H} vocab={args.vocab} (1 draft layer), CPU, fp32, "
           f"{args.steps} timed steps, LM-head chunk {args.chunk}")
@@ -171,6 +193,20 @@ def main() -> None:
     print(f"  LM head alone {o['head_s']:.3f} s (the same exact work in both): no variant of the rest can beat "
           f"{n['step_s'] / o['head_s']:.2f}x; the rest of the step is {n['step_s'] - o['head_s']:.3f} s naive vs "
           f"{o['step_s'] - o['head_s']:.3f} s ours ({(n['step_s'] - o['head_s']) / max(o['step_s'] - o['head_s'], 1e-9):.1f}x)")
+
+
+def _print_precisions(results: dict, args) -> None:
+    import torch
+
+    base = results["fp32"]
+    g32 = torch.tensor(base["fc_grad"])
+    print(f"T={DEMO.tokens} anchors={DEMO.anchors} B={DEMO.block} hidden={H} vocab={DEMO.vocab} (1 draft layer), "
+          f"CPU, {args.steps} timed steps, LM-head chunk {args.chunk}")
+    for name, r in results.items():
+        g = torch.tensor(r["fc_grad"])
+        print(f"  {name:10s} step {r['step_s']:.3f} s ({base['step_s'] / r['step_s']:.2f}x fp32)  "
+              f"loss {r['loss']:.6f} (rel err {abs(r['loss'] - base['loss']) / abs(base['loss']):.1e})  "
+              f"fc grad rel err {float((g - g32).norm() / g32.norm()):.1e}")
 
 
 if __name__ == "__main__":

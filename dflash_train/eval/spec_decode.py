@@ -246,7 +246,8 @@ def evaluate(draft, target_model, tokenizer, prompts: list[list[dict]], max_new_
     Each prompt keeps its user turns up to the first assistant turn and is rendered with the
     target's chat template plus the generation prompt. Greedy runs also decode plainly and check
     the outputs are identical (`lossless`); `speedup` is plain wall time / speculative wall time
-    on the same prompts in this run (None when `measure_speedup` is False). Greedy runs with
+    on the same prompts in this run (None when `measure_speedup` is False; a greedy run then
+    checks losslessness against the teacher-forced forward's argmax instead). Greedy runs with
     `teacher_forced` also put the decoded sequences through the training forward
     (teacher_forced.py) under the report's `teacher_forced` key. `sources` labels each prompt
     with its source, for tau per source (`per_source`).
@@ -279,7 +280,9 @@ def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperat
 
     eos = eos_token_ids(target_model, tokenizer)
     greedy = temperature <= 0
-    run_plain = greedy or measure_speedup
+    # greedy runs check losslessness against plain decoding, or without a speedup run against the
+    # teacher-forced forward's argmax (the same greedy decoding, one forward per prompt instead of one per token)
+    run_plain = measure_speedup or (greedy and not teacher_forced)
 
     if measure_speedup:  # warm-up: first forwards pay one-off allocation costs
         plain_generate(target_model, rendered[0], 2, 0.0, eos)
@@ -297,6 +300,7 @@ def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperat
                                     text=tokenizer.decode(spec.tokens, skip_special_tokens=False),
                                     source=sources[i] if sources is not None else None))
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "block_size": b,
+                "lossless_check": "plain decode" if greedy and run_plain else None,
                 "drafter_block_size": draft.config.block_size, "seed": seed, "measure_speedup": measure_speedup,
                 "eos_token_ids": eos, "num_prompts": len(rendered),
                 "target_layer_ids": draft.config.target_layer_ids,
@@ -307,4 +311,8 @@ def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperat
 
         report["teacher_forced"] = teacher_forced_report(draft, target_model, rendered,
                                                          [r.spec for r in results], b)
+        if not run_plain:
+            from dflash_train.eval.report import lossless_from_teacher_forced
+
+            lossless_from_teacher_forced(report)
     return report

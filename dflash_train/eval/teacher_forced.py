@@ -75,12 +75,17 @@ def teacher_forced_report(draft, target_model, prompts: Sequence[Sequence[int]],
     Acceptance lengths: `all`, `at_decode_steps`, `served` (1 + accepted drafts of the same steps)
     and `at_decode_steps_bf16_features`; `per_position` rates and `blocks` counts for the first
     three; `step_agreement`, up to `max_disagreements` differing steps, and the `verdict`.
+    `greedy_mismatch`: per prompt, the first generated token that is not the target's argmax after
+    its prefix in the same full forward (None: the output is the target's greedy decoding).
     """
     extract = TargetFeatures(target_model, draft.config.target_layer_ids)
     everywhere, at_steps, at_steps_bf16, served = [], [], [], []
-    disagreements, agree = [], 0
+    disagreements, agree, greedy_mismatch = [], 0, []
     for i, (prompt, gen) in enumerate(zip(prompts, generations, strict=True)):
         doc = decoded_document(extract, prompt, gen.tokens)
+        argmax = doc.greedy_next[len(prompt) - 1: len(prompt) - 1 + len(gen.tokens)]
+        wrong = torch.nonzero(argmax != torch.tensor(gen.tokens, dtype=torch.long)).flatten()
+        greedy_mismatch.append(int(wrong[0]) if wrong.numel() else None)
         candidates = torch.nonzero(doc.loss_mask[:-1] & doc.loss_mask[1:]).flatten()
         positions = torch.tensor([s.position for s in gen.steps], dtype=torch.long)
         everywhere.append(block_accept_lengths(draft, doc, candidates, block_size))
@@ -106,6 +111,7 @@ def teacher_forced_report(draft, target_model, prompts: Sequence[Sequence[int]],
         step_agreement=agree / steps if steps else None,
         steps=steps,
         disagreements=disagreements,
+        greedy_mismatch=greedy_mismatch,
     )
     report["verdict"] = verdict(report)
     return report

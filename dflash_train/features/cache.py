@@ -9,7 +9,9 @@ Layout of a cache folder:
   [N, k] bfloat16: the target's k most likely next tokens at each position, largest first.
 - `manifest.json`: target name, path and revision, layer ids, dtype, row and token counts, the
   prepared data's path and fingerprint, and one entry per finished shard (rows, tokens, bytes,
-  sha256), plus `complete` and `topk` (0: no top-k).
+  sha256), plus `complete`, `topk` (0: no top-k) and `greedy_next` (false: written with
+  `greedy=False`, for `objective.labels: dataset`: the forward stopped after the deepest layer
+  needed, no LM head, and the `greedy_next` column holds -1).
 
 Writing: a shard's layout is known before the forward passes (row lengths come from the prepared
 data), so its header is written first and each batch's rows are written at their offsets. Rows are
@@ -52,7 +54,8 @@ IO_THREADS_CUDA = 4
 SAFETY = 0.6
 TOPK_KEYS = ("target_topk_ids", "target_topk_logp")
 _INPUT_KEYS = ("target_revision", "target_layer_ids", "dtype", "rows_per_shard", "data_fingerprint", "num_rows",
-               "topk", "target_dtype")
+               "topk", "target_dtype", "greedy_next")
+NO_GREEDY = -1  # the greedy_next column of a cache written without the LM head
 
 
 def shard_name(k: int) -> str:
@@ -115,7 +118,8 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
                         target_layer_ids: list[int] | None = None, batch_size: int | None = None,
                         rows_per_shard: int = 256, dtype: str = "bfloat16", model=None,
                         batch_tokens: int | None = None, io_threads: int | None = None,
-                        stats: dict | None = None, topk: int | None = None, target_dtype: str | None = None) -> Path:
+                        stats: dict | None = None, topk: int | None = None, target_dtype: str | None = None,
+                        greedy: bool = True) -> Path:
     """Compute and store target features for every row of a prepared dataset (resumable).
 
     `model`: an already loaded target (benchmarks, tests); by default it is loaded from `target`.
@@ -125,6 +129,8 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     `topk`: also store the target's top-k next-token ids and log-probs (for `objective.loss: kl`).
     `target_dtype`: what the target computes in (float32, bfloat16; default bfloat16 on CUDA, float32 on
     CPU); `dtype` is what the features are stored in.
+    `greedy=False`: no greedy next tokens (`objective.labels: dataset` never reads them), so the target's
+    forward stops after the deepest layer asked for and its LM head never runs (~1.2x faster for SmolLM2).
     """
     from tqdm import tqdm
 
@@ -177,7 +183,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
         "feature_dim": hidden * len(layer_ids), "dtype": dtype, "num_rows": len(ds),
         "num_tokens": sum(lengths_all), "rows_per_shard": rows_per_shard,
         "data_path": str(Path(data).resolve()), "data_fingerprint": ds._fingerprint, "topk": topk,
-        "target_dtype": compute, "shards": [],
+        "target_dtype": compute, "greedy_next": bool(greedy or topk), "shards": [],
     }
     manifest["shards"] = _resumable_shards(out, manifest)
     if manifest["complete"]:
@@ -232,9 +238,12 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
                 ids_l = [torch.tensor(rows[r]["input_ids"], dtype=torch.long) for r in idx]
                 masks = [torch.tensor(rows[r]["loss_mask"], dtype=torch.uint8) for r in idx]
                 ids, attn = pad_right(ids_l)
-                feats, greedy, *top = target_forward(model, layer_ids, ids.to(device), attn.to(device), topk or None)
+                feats, next_ids, *top = target_forward(model, layer_ids, ids.to(device), attn.to(device), topk or None,
+                                                       greedy=greedy)
+                if next_ids is None:
+                    next_ids = torch.full(ids.shape, NO_GREEDY, dtype=torch.long, device=feats.device)
                 top = [top[0], top[1].to(torch.bfloat16)] if top else []
-                host, event = to_host([feats.to(storage) if cuda else feats, greedy, *top], copy_stream)
+                host, event = to_host([feats.to(storage) if cuda else feats, next_ids, *top], copy_stream)
                 shard.add_pending()
                 pool.submit(write_batch, shard, idx, ids_l, masks, host, event, lengths, name, lo, hi)
                 bar.update(sum(lengths[r] for r in idx))
@@ -275,8 +284,8 @@ def _resumable_shards(out: Path, manifest: dict) -> list[dict]:
     if not path.is_file():
         return []
     # caches from before top-k have none; those from before target_dtype was recorded computed in the
-    # device's default, which is what an unchanged recipe asks for again
-    old = {"topk": 0, "target_dtype": manifest["target_dtype"], **_read_manifest(out)}
+    # device's default, which is what an unchanged recipe asks for again; all older ones hold greedy tokens
+    old = {"topk": 0, "target_dtype": manifest["target_dtype"], "greedy_next": True, **_read_manifest(out)}
     diff = [k for k in _INPUT_KEYS if old.get(k) != manifest.get(k)]
     if diff:
         raise DataError(f"{path}: this folder holds features from other inputs ("
@@ -311,9 +320,11 @@ class FeatureCache:
     """Read access to a complete cache; `document(i)` is row i of the prepared data."""
 
     def __init__(self, path: str | Path, target: str | None = None, target_layer_ids: list[int] | None = None,
-                 topk: int | None = None, target_dtype: str | None = None):
+                 topk: int | None = None, target_dtype: str | None = None, greedy: bool = False):
+        """The arguments, when given, are what the reader needs; a cache that does not hold it is refused.
+        `greedy`: the target's greedy next tokens (`objective.labels: greedy`)."""
         self.path = Path(path)
-        self.manifest = {"topk": 0, **_read_manifest(self.path)}
+        self.manifest = {"topk": 0, "greedy_next": True, **_read_manifest(self.path)}
         m = self.manifest
         if not m.get("complete"):
             raise DataError(f"{self.path}: the feature cache is incomplete ({len(m['shards'])} shards written); "
@@ -337,6 +348,10 @@ class FeatureCache:
             raise DataError(f"{self.path}: features were computed by the target in {m['target_dtype']}, but "
                             f"data.target_dtype asks for {target_dtype}; set data.target_dtype: {m['target_dtype']} "
                             "or point data.feature_cache at another folder")
+        if greedy and not m["greedy_next"]:
+            raise DataError(f"{self.path}: the feature cache was written without the target's greedy next tokens "
+                            "(for objective.labels: dataset); objective.labels: greedy needs them. Set "
+                            "objective.labels: dataset, or point data.feature_cache at a cache written with them")
         self._starts = [s["rows"][0] for s in m["shards"]]
         self._open: dict[int, tuple] = {}
         self._data = None

@@ -21,22 +21,30 @@ from collections.abc import Sequence
 import torch
 
 from dflash_train.data.packing import Document
-from dflash_train.features.extract import decoder_layers, head_outputs
+from dflash_train.features.extract import _StopForward, decoder_layers, head_outputs
 from dflash_train.features.layer_ids import check_target_layer_ids
 
 
 @torch.no_grad()
 def target_forward(model, layer_ids: Sequence[int], input_ids: torch.Tensor,
-                   attention_mask: torch.Tensor | None = None, topk: int | None = None) -> tuple:
+                   attention_mask: torch.Tensor | None = None, topk: int | None = None,
+                   greedy: bool = True) -> tuple:
     """(features [B, T, n*H], greedy next tokens [B, T]) for a right-padded batch; with `topk`,
-    also (top-k ids [B, T, k] int32, top-k log-probs [B, T, k] fp32) from the same head chunks."""
+    also (top-k ids [B, T, k] int32, top-k log-probs [B, T, k] fp32) from the same head chunks.
+
+    `greedy=False` (and no `topk`): the greedy tokens are None, and the forward stops after the
+    deepest layer in `layer_ids`: the LM head (a fifth of SmolLM2's compute) and the layers
+    above are never run. The features are the same either way."""
     layers = decoder_layers(model)
     last = len(layers) - 1
+    stop_at = None if greedy or topk or last in layer_ids else max(layer_ids)
     captured: dict[int, torch.Tensor] = {}
 
     def hook(index):
         def fn(_module, _inputs, output):
             captured[index] = output[0] if isinstance(output, tuple) else output
+            if index == stop_at:
+                raise _StopForward
         return fn
 
     wanted = sorted({t for t in layer_ids if t != last})
@@ -44,13 +52,17 @@ def target_forward(model, layer_ids: Sequence[int], input_ids: torch.Tensor,
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     try:
         out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    except _StopForward:
+        return torch.cat([captured[t] for t in layer_ids], dim=-1), None
     finally:
         for h in handles:
             h.remove()
     final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     feats = torch.cat([final if t == last else captured[t] for t in layer_ids], dim=-1)
-    greedy, ids, logp = head_outputs(model.get_output_embeddings(), final, topk)
-    return (feats, greedy) if not topk else (feats, greedy, ids, logp)
+    if not (greedy or topk):
+        return feats, None
+    g, ids, logp = head_outputs(model.get_output_embeddings(), final, topk)
+    return (feats, g) if not topk else (feats, g, ids, logp)
 
 
 def pad_right(seqs: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

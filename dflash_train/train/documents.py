@@ -33,7 +33,8 @@ def _key(obj) -> str:
 def data_cache_root(data: DataConfig, target_path: str) -> Path:
     ident = {"target": target_path, **data.model_dump(mode="json", exclude={"features", "holdout_fraction",
                                                                              "cache_dir", "feature_cache",
-                                                                             "train_fraction", "target_dtype"})}
+                                                                             "train_fraction", "target_dtype"}),
+             "regenerate": data.regenerate.cache_inputs()}
     return _cache_base(data) / _key(ident)
 
 
@@ -52,16 +53,18 @@ def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
         return _source_rows(data, target_path, seed, data.source, data.max_samples, data.split, data.subset, None,
                             data_cache_root(data, target_path))
     from dflash_train.data.prepare import combine_prepared
+    from dflash_train.data.regenerate import Generators
     from dflash_train.train.recipe import source_label
 
     parts = []
-    for spec in data.source:
-        max_samples, label = spec.max_samples or data.max_samples, source_label(spec)
-        ident = {"target": target_path, "source": spec.source, "max_samples": max_samples, "split": spec.split,
-                 "subset": spec.subset, "label": label, "max_length": data.max_length,
-                 "max_turns": data.max_turns, "regenerate": data.regenerate.model_dump(mode="json")}
-        parts.append(_source_rows(data, target_path, seed, spec.source, max_samples, spec.split, spec.subset,
-                                  label, _cache_base(data) / "sources" / _key(ident)))
+    with Generators(_cache_base(data) / "sources") as generators:  # one engine start for all the sources
+        for spec in data.source:
+            max_samples, label = spec.max_samples or data.max_samples, source_label(spec)
+            ident = {"target": target_path, "source": spec.source, "max_samples": max_samples, "split": spec.split,
+                     "subset": spec.subset, "label": label, "max_length": data.max_length,
+                     "max_turns": data.max_turns, "regenerate": data.regenerate.cache_inputs()}
+            parts.append(_source_rows(data, target_path, seed, spec.source, max_samples, spec.split, spec.subset,
+                                      label, _cache_base(data) / "sources" / _key(ident), generators))
     mixed = data_cache_root(data, target_path) / "mixed"
     inputs = {"command": "combine", "target": target_path,
               "parts": [{"path": str(p), "fingerprint": load_rows(p)._fingerprint} for p in parts]}
@@ -76,8 +79,9 @@ def _cache_base(data: DataConfig) -> Path:
 
 
 def _source_rows(data: DataConfig, target_path: str, seed: int, source: str, max_samples: int | None,
-                 split: str | None, subset: str | None, label: str | None, root: Path) -> Path:
-    """One source prepared (and regenerated) under `root`."""
+                 split: str | None, subset: str | None, label: str | None, root: Path,
+                 generators=None) -> Path:
+    """One source prepared (and regenerated) under `root`, with engines from `generators` when given."""
     from dflash_train.data.prepare import prepare_dataset
 
     prepared = root / "prepared"
@@ -91,7 +95,8 @@ def _source_rows(data: DataConfig, target_path: str, seed: int, source: str, max
     regen = root / "regenerated"
     r = data.regenerate
     regenerate_dataset(target_path, prepared, regen, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                       thinking=r.thinking, engine=r.engine, batch_size=r.batch_size, seed=seed, overwrite=True)
+                       thinking=r.thinking, engine=r.engine, batch_size=r.batch_size, seed=seed, dtype=r.dtype,
+                       overwrite=True, generators=generators)
     return regen
 
 
@@ -227,9 +232,12 @@ def cache_complete(path: Path) -> bool:
         return False
 
 
-def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None):
+def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None,
+                  greedy: bool = True):
     """The data stage's FeatureCache for these rows and layer ids (written once if missing); with
-    `topk` (the kl loss) its shards must hold at least k top-k log-probs per token."""
+    `topk` (the kl loss) its shards must hold at least k top-k log-probs per token. `greedy=False`
+    (dataset labels): a cache with the greedy tokens is used when one is complete, else one is
+    written without them (no LM head in the target's forward) into a folder of its own."""
     try:
         from dflash_train.features.cache import FeatureCache, write_feature_cache
     except ImportError as exc:
@@ -246,8 +254,11 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
         if compute != dtype_name(target_torch_dtype(None, device)):
             name += f"-{compute}"  # another compute dtype than the device's default: a cache of its own
         path = data_cache_root(data, target_path) / name
+        lean = path.with_name(f"{name}-nogreedy")
+        if not greedy and not topk and not cache_complete(path):
+            path = lean  # a complete cache with greedy tokens serves dataset labels too; else a lean one
         if not cache_complete(path):  # missing, or left incomplete by an interrupted run: (re)write resumes it
             write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk,
-                                target_dtype=compute)
+                                target_dtype=compute, greedy=path != lean)
     return FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk,
-                        target_dtype=compute if data.target_dtype != "auto" else None)
+                        target_dtype=compute if data.target_dtype != "auto" else None, greedy=greedy)

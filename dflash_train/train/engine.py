@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import socket
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -77,8 +77,17 @@ def all_reduce_sum(value: float | torch.Tensor, device: torch.device | str = "cp
 
 
 def use_bf16(recipe: TrainRecipe) -> bool:
+    """DeepSpeed's bf16 mode: the engine holds the weights in bf16 (bf16-mixed keeps them fp32)."""
     p = recipe.engine.precision
     return p == "bf16" or (p == "auto" and torch.cuda.is_available())
+
+
+def forward_precision(recipe: TrainRecipe, device: torch.device):
+    """The context the drafter's forward runs in: torch.autocast to bf16 under `bf16-mixed`, else
+    nothing (fp32 runs as it is; DeepSpeed's bf16 casts the weights themselves)."""
+    if recipe.engine.precision != "bf16-mixed":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float, schedule: str, min_ratio: float):

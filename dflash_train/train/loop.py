@@ -35,7 +35,14 @@ from dflash_train.train.documents import (
     offline_cache,
     prepared_rows,
 )
-from dflash_train.train.engine import World, all_reduce_sum, barrier, build_engine, init_distributed
+from dflash_train.train.engine import (
+    World,
+    all_reduce_sum,
+    barrier,
+    build_engine,
+    forward_precision,
+    init_distributed,
+)
 from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.loss import BlockStats
 from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
@@ -100,8 +107,9 @@ def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPl
     stats = BlockStats.zeros(recipe.drafter.block_size, world.device)
     o = recipe.objective
     for i, mb in enumerate(mbs):
-        loss_sum, st = microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
-                                       chunk=kernels.logits_chunk)
+        with forward_precision(recipe, world.device):
+            loss_sum, st = microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
+                                           chunk=kernels.logits_chunk)
         # DeepSpeed averages gradients over ranks: multiply by world to keep a global sum / global weight
         engine.backward(loss_sum * (world.size / global_weight).to(loss_sum.dtype), scale_wrt_gas=False)
         guard.observe(step + 1, loss_sum, engine.module if i == len(mbs) - 1 else None)  # on device, no sync
@@ -123,8 +131,9 @@ def validate(engine, recipe: TrainRecipe, source: DocumentSource, held: list[int
     for b in bins[world.rank::world.size]:
         mb = _microbatch(recipe, source, [rows[i] for i in b], 0, world.device)
         o = recipe.objective
-        stats.add(microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
-                                  chunk=kernels.logits_chunk)[1])
+        with forward_precision(recipe, world.device):
+            stats.add(microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
+                                      chunk=kernels.logits_chunk)[1])
     engine.module.train()
     return stats.all_reduce().summary()
 
@@ -262,7 +271,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     cache = None
     topk = recipe.objective.kl_topk if recipe.objective.loss == "kl" else None  # teacher top-k for the kl loss
     if recipe.data.features == "offline":
-        cache = offline_cache(recipe.data, target_path, data_path, drafter.config.target_layer_ids, topk)
+        cache = offline_cache(recipe.data, target_path, data_path, drafter.config.target_layer_ids, topk,
+                              greedy=recipe.objective.labels == "greedy")
     source = DocumentSource(rows, recipe.data.features, target_model, drafter.config.target_layer_ids, cache,
                             topk=topk, target_hidden=target_model.config.get_text_config().hidden_size)
     plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size)

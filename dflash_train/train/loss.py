@@ -13,7 +13,9 @@ upcast per call). bf16/fp16 hidden states (the GPU engine) keep the head in its 
 matmuls run on tensor cores with fp32 accumulation and fp32 output (`torch.mm(..., out_dtype=)`
 on CUDA; a half-precision product upcast elsewhere), the log-softmax and the loss are fp32 per
 chunk, and the softmax - target matrix is rounded to the head's dtype only to multiply it back.
-No fp32 copy of the [V, H] head is made.
+No fp32 copy of the [V, H] head is made. Under torch.autocast (`engine.precision: bf16-mixed`:
+fp32 weights) the hidden states are cast to the autocast dtype and take that same path, with
+autocast off inside it.
 
 Chunk size (`logits_chunk: auto`, `auto_logits_chunk`): a chunk holds about 10 bytes per logit
 (fp32 logits and log-probabilities, then the half-precision softmax), so on a GPU the chunk is
@@ -32,6 +34,7 @@ the sum of weights over the global batch. Statistics stay on the device of the l
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 import torch
@@ -147,7 +150,13 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
         return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.long, device=hidden.device)
     chunk = hidden.shape[0] if not chunk else int(chunk)
     ids, p = target if target is not None else (None, None)
-    return _FusedHeadLoss.apply(hidden, weight, labels, weights, ids, p, chunk, kind)
+    device = hidden.device.type
+    # (a meta-device dry run has no autocast at all)
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    if autocast:  # bf16-mixed: the head is the half-precision path, run as written
+        hidden = hidden.to(torch.get_autocast_dtype(device))
+    with torch.autocast(device, enabled=False) if autocast else nullcontext():
+        return _FusedHeadLoss.apply(hidden, weight, labels, weights, ids, p, chunk, kind)
 
 
 def topk_soft_targets(draft_ids: torch.Tensor, logp: torch.Tensor,

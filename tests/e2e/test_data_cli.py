@@ -38,6 +38,11 @@ def test_prepare_then_features_then_errors(tmp_path):
     assert "2.32 GB per 1M tokens (2 layers x 576 bfloat16" in r.stdout and "tokens/s" in r.stdout
     m = json.loads((tmp_path / "f" / "manifest.json").read_text())
     assert m["complete"] and m["target_layer_ids"] == [2, 9] and m["feature_dim"] == 2 * 576
+    r = run("features", "--data", str(tmp_path / "p"), "--output", str(tmp_path / "f-lean"),
+            "--layer-ids", "2,9", "--rows-per-shard", "3", "--batch-size", "2", "--no-greedy")
+    assert r.returncode == 0, r.stderr
+    assert "without greedy tokens" in r.stdout and m["greedy_next"] is True
+    assert json.loads((tmp_path / "f-lean" / "manifest.json").read_text())["greedy_next"] is False
 
     # two sources mixed: each capped by --max-samples, each row labelled with its source
     r = run("prepare", "--data", str(src), "--data", "chitchat", "--max-samples", "3", "--output",

@@ -11,3 +11,4 @@ def test_stages_resume_and_overwrite_only_their_own_outputs(tmp_path):
     for name in ("convert", "eval", "to-zlab"):
         assert stages[name][-1] == "--overwrite" and str(tmp_path) in " ".join(stages[name])
     assert "--overwrite" not in stages["train"] + stages["validate"] + stages["serve"]
+    assert "--no-speedup" in stages["eval"]  # the demo checks losslessness without plain decoding

@@ -201,6 +201,81 @@ def test_vllm_engine_in_its_own_venv_matches_hf_greedy(tmp_path, prepared, smoll
     a, b = load_prepared(tmp_path / "hf"), load_prepared(tmp_path / "vllm")
     assert a["messages"] == b["messages"] and a["input_ids"] == b["input_ids"]
     assert not (tmp_path / "vllm.partial").exists()
+    # --dtype bfloat16 reaches the worker's engine (the CPU default is float32)
+    # and a pool of generators (a mixture's sources) shares one worker, stopped when the pool closes
+    with regen.Generators(tmp_path / "logs") as pool:
+        bf = regen.regenerate_dataset(None, prepared, tmp_path / "vllm-bf16", max_new_tokens=12, batch_size=2,
+                                      engine="vllm", dtype="bfloat16", generators=pool)
+        again = regen.regenerate_dataset(None, prepared, tmp_path / "vllm-bf16-again", max_new_tokens=12,
+                                         batch_size=2, engine="vllm", dtype="bfloat16", generators=pool)
+        assert len(workers) == 2 and workers[1].proc.poll() is None
+    assert workers[1].proc.poll() == 0 and (tmp_path / "logs" / "vllm-worker.log").stat().st_size > 0
+    assert json.loads(workers[1].proc.args[-1])["dtype"] == "bfloat16"  # the spec the worker was started with
+    assert bf["inputs"]["dtype"] == "bfloat16" and bf["regeneration"]["turns"] == 4
+    assert load_prepared(tmp_path / "vllm-bf16-again")["messages"] == load_prepared(tmp_path / "vllm-bf16")["messages"]
+    assert again["regeneration"] == bf["regeneration"]
+
+
+def test_dtype_is_an_input_of_the_regenerated_rows(tmp_path, prepared, monkeypatch, one_thread):
+    """--dtype bfloat16 loads the target in bfloat16 and is recorded, so rows of another dtype are never
+    reused; auto leaves the inputs as they were before the option existed (old outputs stay cached)."""
+    from dflash_train.data import hf_generate
+
+    loaded = []
+    real = hf_generate.HFGenerator.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        loaded.append(next(self.model.parameters()).dtype)
+
+    monkeypatch.setattr(hf_generate.HFGenerator, "__init__", spy)
+    auto = regen.regenerate_dataset(None, prepared, tmp_path / "auto", max_new_tokens=NEW)
+    assert "dtype" not in auto["inputs"] and loaded == [torch.float32]
+    bf16 = regen.regenerate_dataset(None, prepared, tmp_path / "bf16", max_new_tokens=NEW, dtype="bfloat16")
+    assert bf16["inputs"]["dtype"] == "bfloat16" and loaded == [torch.float32, torch.bfloat16]
+    assert bf16["regeneration"]["turns"] == auto["regeneration"]["turns"] == 4
+    again = regen.regenerate_dataset(None, prepared, tmp_path / "bf16", max_new_tokens=NEW, dtype="bfloat16")
+    assert again.get("cached") and len(loaded) == 2
+    # the bf16 rows are not the float32 rows' cache: asking for float32 there regenerates
+    with pytest.raises(Exception, match="--output"):
+        regen.regenerate_dataset(None, prepared, tmp_path / "bf16", max_new_tokens=NEW, dtype="float32")
+    with pytest.raises(Exception, match="--dtype 'half'"):
+        regen.regenerate_dataset(None, prepared, tmp_path / "x", max_new_tokens=NEW, dtype="half")
+
+
+def test_a_pool_of_generators_starts_each_setting_once(tmp_path, prepared, smollm2, monkeypatch, one_thread):
+    """Two outputs regenerated through one `Generators` load the target once and write the rows a
+    generator of their own writes; another dtype is another engine."""
+    from dflash_train.data import hf_generate
+
+    loaded = []
+    real = hf_generate.HFGenerator.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        loaded.append(k.get("dtype"))
+
+    monkeypatch.setattr(hf_generate.HFGenerator, "__init__", spy)
+    alone = regen.regenerate_dataset(None, prepared, tmp_path / "alone", max_new_tokens=NEW, batch_size=2)
+    with regen.Generators() as pool:
+        for name in ("a", "b"):
+            regen.regenerate_dataset(None, prepared, tmp_path / name, max_new_tokens=NEW, batch_size=2, generators=pool)
+        assert loaded == ["auto", "auto"] and len(pool) == 1
+        regen.regenerate_dataset(None, prepared, tmp_path / "c", max_new_tokens=NEW, batch_size=2, dtype="bfloat16",
+                                 generators=pool)
+        assert loaded == ["auto", "auto", "bfloat16"] and len(pool) == 2
+    assert len(pool) == 0
+    rows = load_prepared(tmp_path / "alone")["messages"]
+    assert load_prepared(tmp_path / "a")["messages"] == rows == load_prepared(tmp_path / "b")["messages"]
+    assert alone["regeneration"]["turns"] == 4
+
+
+def test_the_recipe_keys_regenerated_rows_by_dtype_only_when_set():
+    from dflash_train.train.recipe import RegenerateConfig
+
+    auto = RegenerateConfig(engine="vllm")
+    assert auto.cache_inputs() == {k: v for k, v in auto.model_dump(mode="json").items() if k != "dtype"}
+    assert RegenerateConfig(engine="vllm", dtype="bfloat16").cache_inputs()["dtype"] == "bfloat16"
 
 
 def test_source_labels_travel_through_regeneration(tmp_path, smollm2, one_thread):

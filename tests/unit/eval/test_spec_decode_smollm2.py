@@ -63,6 +63,31 @@ def test_greedy_is_lossless_with_a_random_drafter(smollm2, random_drafter):
     assert tf["blocks"]["all"] == report["new_tokens"] - len(PROMPTS)  # every generated token with a successor
 
 
+def test_without_the_speedup_run_losslessness_comes_from_the_teacher_forced_argmax(smollm2, random_drafter):
+    """--no-speedup: no plain decoding; each generated token is checked against the target's argmax after
+    its prefix in the teacher-forced forward, which flags a token the decoding got wrong at its index."""
+    from dflash_train.eval.spec_decode import Generation
+    from dflash_train.eval.teacher_forced import teacher_forced_report
+
+    target, tokenizer = smollm2
+    with_plain = evaluate(random_drafter, target, tokenizer, PROMPTS, max_new_tokens=12, block_size=4)
+    report = evaluate(random_drafter, target, tokenizer, PROMPTS, max_new_tokens=12, block_size=4,
+                      measure_speedup=False)
+    assert report["speedup"] is None and all("plain_seconds" not in p for p in report["prompts"])
+    assert report["settings"]["lossless_check"] == "teacher-forced argmax"
+    assert with_plain["settings"]["lossless_check"] == "plain decode"
+    assert report["lossless"] is True and all(p["first_mismatch"] is None for p in report["prompts"])
+    assert [p["output_tokens"] for p in report["prompts"]] == [p["output_tokens"] for p in with_plain["prompts"]]
+    # a decoding that committed a wrong token at index 5 is caught there
+    from dflash_train.eval.prompts import render_prompts
+
+    ids = render_prompts(tokenizer, PROMPTS[:1])
+    tokens = list(report["prompts"][0]["output_tokens"])
+    tokens[5] = (tokens[5] + 1) % tokenizer.vocab_size
+    tf = teacher_forced_report(random_drafter, target, ids, [Generation(tokens=tokens, seconds=0.0, steps=[])], 4)
+    assert tf["greedy_mismatch"] == [5]
+
+
 def test_sampling_runs_and_reports_no_lossless_check(smollm2, random_drafter):
     target, tokenizer = smollm2
     report = evaluate(random_drafter, target, tokenizer, PROMPTS[:1], max_new_tokens=8, temperature=0.8,

@@ -163,3 +163,18 @@ def test_a_bfloat16_target_gets_a_feature_cache_of_its_own(tmp_path, train_tiny_
     with pytest.raises(DataError, match="computed by the target in bfloat16, but data.target_dtype asks for float32"):
         FeatureCache(b.path, target_dtype="float32")
     FeatureCache(a.path, target_dtype="float32")
+
+
+def test_dataset_labels_reuse_a_greedy_cache_or_write_a_lean_one(tmp_path, train_tiny_target, train_prepared):
+    """Decision: a recipe with dataset labels reads a complete cache that has the greedy tokens when there
+    is one; otherwise it writes a cache without them (no LM head) into a folder of its own."""
+    from dflash_train.train.documents import offline_cache
+    from dflash_train.train.recipe import DataConfig
+
+    data = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path))
+    lean = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], greedy=False)
+    assert lean.path.name == "features-1-3-5-nogreedy" and lean.manifest["greedy_next"] is False
+    full = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5])
+    assert full.path.name == "features-1-3-5" and full.manifest["greedy_next"] is True
+    assert torch.equal(lean.document(1).features, full.document(1).features)
+    assert offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], greedy=False).path == full.path

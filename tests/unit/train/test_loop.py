@@ -170,6 +170,27 @@ def test_reduced_vocab_run_keeps_the_most_frequent_supervised_ids(tmp_path, trai
     assert (load_drafter(out2 / "final").lm_head.weight - target_head[kept]).abs().max() > 1e-5
 
 
+@pytest.mark.slow
+def test_bf16_mixed_stays_closer_to_fp32_than_bf16_weights(reference_run, tmp_path):
+    """engine.precision bf16-mixed (fp32 weights, autocast forward) trains through DeepSpeed to weights
+    that differ from the fp32 run's by rounding only, less than DeepSpeed's bf16 (bf16 weights) does."""
+    recipe, ref = reference_run
+    fp32 = _weights(ref / "final")
+    ref_val = json.loads((ref / "summary.json").read_text())["val_loss"]
+    gaps = {}
+    for precision in ("bf16-mixed", "bf16"):
+        out = tmp_path / precision
+        res = _train(["--config", recipe, "--output", out, "--set", f"engine.precision={precision}"])
+        assert res.returncode == 0, res.stderr[-3000:]
+        w = _weights(out / "final")
+        assert all(w[k].dtype == torch.float32 for k in w)  # drafter.dtype float32, whatever the engine held
+        gaps[precision] = max(float((w[k] - fp32[k]).abs().max()) for k in fp32)
+        val = json.loads((out / "summary.json").read_text())["val_loss"]
+        assert abs(val - ref_val) <= 0.02 * ref_val, (precision, val, ref_val)
+    # 6 Adam steps at lr 1e-3 move a weight by at most ~6e-3: rounding may flip a few updates, not more
+    assert 0 < gaps["bf16-mixed"] < 1.2e-2 and gaps["bf16-mixed"] < gaps["bf16"], gaps
+
+
 class _EngineOnMeta:
     """DeepSpeed cannot run on the meta device: the same calls (backward, step) on the bare module."""
 

@@ -91,6 +91,26 @@ def test_half_precision_head_equals_the_fp32_path_to_bf16_tolerance(kind):
         assert (a - b).abs().max() <= 3e-2 * b.abs().max()  # bf16 inputs: ~2^-8 relative each
 
 
+def test_head_under_autocast_takes_the_bf16_path_with_fp32_weights_and_grads():
+    """bf16-mixed: fp32 hidden states and head under torch.autocast give the half path's loss (fp32
+    log-softmax, not a bf16 one) and fp32 gradients for the fp32 parameters."""
+    hidden, weight, labels, w, _ = _head_inputs()
+    ref_h, ref_w = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    ref, ref_pred = head_loss(ref_h, ref_w, labels, w, chunk=40)
+    ref.backward()
+    h, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, pred = head_loss(h, wt, labels, w, chunk=40)
+    out.backward()
+    assert out.dtype == torch.float32 and h.grad.dtype == torch.float32 and wt.grad.dtype == torch.float32
+    assert float(out.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
+    assert torch.equal(pred, ref_pred)
+    torch.testing.assert_close(h.grad, ref_h.grad.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(wt.grad, ref_w.grad.float(), rtol=1e-2, atol=1e-3)
+    fp32, _ = head_loss(hidden, weight, labels, w, chunk=40)
+    assert abs(float(out.detach()) - float(fp32)) <= 2e-3 * abs(float(fp32))
+
+
 class _Allocations(TorchDispatchMode):
     """Records the shape and dtype of every tensor an op returns."""
 

@@ -276,6 +276,7 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
     from rich.table import Table
 
     from dflash_train.demo import run_demo
+    from dflash_train.machine import describe
 
     s = run_demo(output, config, overrides, num_prompts, max_new_tokens)
     table = Table(title="dflash-toolkit demo (SmolLM2-135M target, greedy, held-out prompts)")
@@ -301,6 +302,7 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
         table.add_row(name, path)
     table.add_row("serve (dry run)", s["serve_command"] or "")
     table.add_row("stage seconds", " ".join(f"{k}={v}" for k, v in s["stage_seconds"].items()))
+    table.add_row("machine", describe(s["machine"]))
     Console(width=160).print(table)
 
 

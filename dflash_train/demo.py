@@ -59,6 +59,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
         for stage in stages:
             run_stage(stage, log)
     from dflash_train.eval.teacher_forced import headline as teacher_forced_headline
+    from dflash_train.machine import machine_facts
 
     train_summary = json.loads((out / "run" / "summary.json").read_text())
     report = json.loads((out / "eval.json").read_text())
@@ -79,6 +80,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
                   "curves": str(out / "run" / "curves.png"), "run": str(out / "run")},
         "stage_seconds": {s.name: round(s.seconds, 1) for s in stages},
         "wall_seconds": round(time.time() - t0, 1),
+        "machine": machine_facts(),
     }
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

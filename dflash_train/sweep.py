@@ -128,8 +128,10 @@ def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list
                     run_stage(stage, log, prefix=tag)
                 run = run_folder(out, variant, fraction)
                 results.append(run_result(run, variant, fraction, {s.name: s.seconds for s in stages}))
+    from dflash_train.machine import machine_facts
+
     sweep = {"recipe": str(recipe), "overrides": overrides or [], "num_prompts": num_prompts,
-             "max_new_tokens": max_new_tokens, "runs": results}
+             "max_new_tokens": max_new_tokens, "runs": results, "machine": machine_facts()}
     write_outputs(out, sweep)
     return sweep
 

@@ -134,7 +134,9 @@ def main() -> None:
     ap.add_argument("--prepared", help="take --rows evenly spaced rows of this prepared folder (e.g. rows the "
                     "target regenerated) instead of preparing --data")
     args = ap.parse_args()
+    from dflash_train.machine import describe, machine_facts
 
+    print(f"machine: {describe(machine_facts())}")
     from dflash_train.data.prepare import prepare_dataset
     from dflash_train.features.target import load_target
 

@@ -172,6 +172,9 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.steps, args.vocab, args.chunk)))
         return
+    from dflash_train.machine import describe, machine_facts
+
+    print(f"machine: {describe(machine_facts())}")
     results = {}
     for name in PRECISIONS if args.precisions else ("naive", "ours"):
         out = subprocess.run([sys.executable, __file__, "--variant", name, "--steps", str(args.steps),

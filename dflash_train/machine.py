@@ -43,7 +43,7 @@ def machine_facts() -> dict:
 
 
 def describe(facts: dict) -> str:
-    """One line for a table: 'Intel Xeon, 2 cores, bf16: avx512_bf16'."""
+    """One line for a table: 'Intel(R) Xeon(R) Processor, 2 cores, bf16 instructions: avx512_bf16'."""
     bf16 = ", ".join(facts.get("bf16_instructions") or []) or "none"
     gpu = f", {facts['gpu']}" if facts.get("gpu") else ""
     return f"{facts.get('cpu')}, {facts.get('cores')} cores, bf16 instructions: {bf16}{gpu}"

@@ -295,8 +295,10 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
         table.add_row("teacher-forced accept len: every position / at decode steps / served",
                       f"{tf['all']:.3f} / {tf['at_decode_steps']:.3f} / {tf['served']:.3f}  ({tf['verdict']}; "
                       f"{100 * tf['step_agreement']:.1f}% of {tf['steps']} steps agree)")
+    by_source = "".join(f", {k} {v:.3f}" for k, v in (s.get("val_accept_len_by_source") or {}).items())
     table.add_row("train: steps / rows / val accept len",
-                  f"{s['train_steps']} / {s['train_rows']} / {s['val_accept_len'] or float('nan'):.3f}")
+                  f"{s['train_steps']} / {s['train_rows']} / {s['val_accept_len'] or float('nan'):.3f}"
+                  + (f"  ({by_source[2:]})" if by_source else ""))
     table.add_row("validate (vLLM + SGLang rules)", "pass" if s["validate_ok"] else "FAIL")
     for name, path in s["paths"].items():
         table.add_row(name, path)

@@ -86,7 +86,8 @@ def run_result(run: Path, variant: Variant, fraction: float, seconds: dict) -> d
     return {
         "variant": variant.name, "overrides": list(variant.overrides), "fraction": fraction,
         "train_rows": summary.get("train_rows"), "steps": summary.get("steps"),
-        "val_accept_len": summary.get("val_accept_len"), "tau": report["tau"],
+        "val_accept_len": summary.get("val_accept_len"),
+        "val_accept_len_by_source": summary.get("val_accept_len_by_source") or {}, "tau": report["tau"],
         "tau_by_source": {k: v["tau"] for k, v in (report.get("per_source") or {}).items()},
         "prompts": len(report.get("prompts", [])),
         "teacher_forced_at_decode_steps": tf.get("at_decode_steps"),

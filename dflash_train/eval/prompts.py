@@ -74,6 +74,7 @@ def heldout_prompts(holdout_file: str | Path, max_prompts: int | None = None) ->
 
 def _labelled_heldout(holdout_file: str | Path, max_prompts: int | None) -> list[tuple[list[dict], str | None]]:
     from dflash_train.data.prepare import load_prepared
+    from dflash_train.train.documents import interleave_by_label
 
     path = Path(holdout_file)
     try:
@@ -89,16 +90,6 @@ def _labelled_heldout(holdout_file: str | Path, max_prompts: int | None) -> list
     labelled = "source" in ds.column_names
     return [(user_turns(json.loads(ds[i]["messages"])), _label(ds[i]["source"]) if labelled else None)
             for i in rows[:max_prompts]]
-
-
-def interleave_by_label(rows: list[int], labels: list[str]) -> list[int]:
-    """Rows taken round-robin over their labels (each label's rows in their order), so the first N
-    held-out prompts of a mixture cover every source about equally."""
-    groups: dict[str, list[int]] = {}
-    for row, label in zip(rows, labels, strict=True):
-        groups.setdefault(label, []).append(row)
-    queues = [groups[k] for k in sorted(groups)]
-    return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
 
 
 def load_prompts(source: str, split: str | None = None, subset: str | None = None,

@@ -2,7 +2,8 @@
 
 1. Prepared rows: an existing folder (`data.prepared`), or the data stage's prepare (and
    regenerate) run once and cached under `$DFLASH_CACHE/data/<key>/`.
-2. A deterministic held-out split of those rows (`data.holdout_fraction`).
+2. A deterministic held-out split of those rows (`data.holdout_fraction`); the rows a periodic
+   check reads are taken round-robin over a mixture's sources, so every source counts.
 3. Documents with context features and greedy tokens: `online` (target forward every time),
    `memory` (computed once per row, kept in RAM) or `offline` (the data stage's feature cache).
    The target runs under inference_mode; online features, greedy tokens and top-k stay on the
@@ -114,6 +115,23 @@ def holdout_split(num_rows: int, fraction: float, seed: int) -> tuple[list[int],
     held = sorted(random.Random(f"holdout-{seed}").sample(range(num_rows), k))
     held_set = set(held)
     return [i for i in range(num_rows) if i not in held_set], held
+
+
+def interleave_by_label(rows: list[int], labels: list[str]) -> list[int]:
+    """Rows taken round-robin over their labels (each label's rows in their order), so the first N
+    held-out rows of a mixture cover every source about equally."""
+    groups: dict[str, list[int]] = {}
+    for row, label in zip(rows, labels, strict=True):
+        groups.setdefault(label, []).append(row)
+    queues = [groups[k] for k in sorted(groups)]
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
+def validation_rows(held: list[int], labels: list[str] | None, count: int) -> list[int]:
+    """The `count` held-out rows the periodic check reads. Held-out ids are sorted and a mixture's
+    rows are stored source by source, so the first ids alone would all be the first source's."""
+    order = interleave_by_label(held, [labels[i] for i in held]) if labels else list(held)
+    return order[:count]
 
 
 def fraction_of_rows(rows: list[int], fraction: float, seed: int, labels: list[str] | None = None) -> list[int]:

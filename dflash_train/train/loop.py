@@ -34,6 +34,7 @@ from dflash_train.train.documents import (
     load_rows,
     offline_cache,
     prepared_rows,
+    validation_rows,
 )
 from dflash_train.train.engine import (
     World,
@@ -119,23 +120,33 @@ def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPl
 
 
 @torch.no_grad()
-def validate(engine, recipe: TrainRecipe, source: DocumentSource, held: list[int], world: World,
-             kernels: StepKernels) -> dict | None:
-    """Loss, accuracy per position and acceptance length on held-out rows (fixed anchors)."""
-    rows = held[: recipe.logging.eval_documents]
+def validate(engine, recipe: TrainRecipe, source: DocumentSource, rows: list[int], labels: list[str] | None,
+             world: World, kernels: StepKernels) -> tuple[dict, dict] | None:
+    """Loss, accuracy per position and acceptance length on held-out rows (fixed anchors), and for a
+    mixture each source's acceptance length: ({loss, acc, accept_len, positions}, {accept_len_<source>})."""
     if not rows:
         return None
-    bins = plan_microbatches([source.lengths[i] for i in rows], recipe.batch.tokens_per_microbatch, recipe.seed, 0)
-    stats = BlockStats.zeros(recipe.drafter.block_size, world.device)
+    groups: dict[str | None, list[int]] = {}
+    for i in rows:  # the same order on every rank, so the all_reduces pair up
+        groups.setdefault(labels[i] if labels else None, []).append(i)
+    total = BlockStats.zeros(recipe.drafter.block_size, world.device)
+    by_source = {}
     engine.module.eval()
-    for b in bins[world.rank::world.size]:
-        mb = _microbatch(recipe, source, [rows[i] for i in b], 0, world.device)
-        o = recipe.objective
-        with forward_precision(recipe, world.device):
-            stats.add(microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
-                                      chunk=kernels.logits_chunk)[1])
+    for label, members in groups.items():
+        stats = BlockStats.zeros(recipe.drafter.block_size, world.device)
+        bins = plan_microbatches([source.lengths[i] for i in members], recipe.batch.tokens_per_microbatch,
+                                 recipe.seed, 0)
+        for b in bins[world.rank::world.size]:
+            mb = _microbatch(recipe, source, [members[i] for i in b], 0, world.device)
+            with forward_precision(recipe, world.device):
+                stats.add(microbatch_loss(engine.module, mb, loss=recipe.objective.loss,
+                                          attention=kernels.attention, chunk=kernels.logits_chunk)[1])
+        stats.all_reduce()
+        total.add(stats)
+        if label is not None:
+            by_source[f"accept_len_{label}"] = stats.summary()["accept_len"]
     engine.module.train()
-    return stats.all_reduce().summary()
+    return total.summary(), by_source
 
 
 RESUME_MODES = ("must", "auto")  # --resume: a checkpoint must exist / resume one if it exists, else start
@@ -266,8 +277,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     check_writable(output, "--output", _space_needed(drafter, recipe), inside=output.is_dir())
     rows = load_rows(data_path)
     train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.seed)
-    train_rows = fraction_of_rows(train_rows, recipe.data.train_fraction, recipe.seed,
-                                  list(rows["source"]) if "source" in rows.column_names else None)
+    labels = list(rows["source"]) if "source" in rows.column_names else None
+    train_rows = fraction_of_rows(train_rows, recipe.data.train_fraction, recipe.seed, labels)
     cache = None
     topk = recipe.objective.kl_topk if recipe.objective.loss == "kl" else None  # teacher top-k for the kl loss
     if recipe.data.features == "offline":
@@ -276,7 +287,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     source = DocumentSource(rows, recipe.data.features, target_model, drafter.config.target_layer_ids, cache,
                             topk=topk, target_hidden=target_model.config.get_text_config().hidden_size)
     plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size)
-    source.warm(train_rows + held[: recipe.logging.eval_documents], progress=world.is_main and recipe.logging.progress)
+    val_rows = validation_rows(held, labels, recipe.logging.eval_documents)
+    source.warm(train_rows + val_rows, progress=world.is_main and recipe.logging.progress)
     drafter.activation_checkpointing = recipe.engine.activation_checkpointing
     engine, scheduler = build_engine(drafter, recipe, plan.total)
     engine.module.attach_target(target_model)
@@ -335,9 +347,9 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             window = BlockStats.zeros(recipe.drafter.block_size, world.device)
         if done % recipe.logging.eval_every == 0 or done == plan.total:
             with oom_guard(recipe, world.device):
-                val = validate(engine, recipe, source, held, world, kernels)
+                val = validate(engine, recipe, source, val_rows, labels, world, kernels)
             if val is not None:
-                log.record(done, "val", val)
+                log.record(done, "val", *val)
         if done % recipe.checkpoint.save_every == 0 or done == plan.total:
             save(done)
     progress.close()
@@ -358,6 +370,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             "val_acc_per_position": val_last and val_last["acc"],
             "train_accept_len": train_last and train_last["accept_len"],
             "val_accept_len": val_last and val_last["accept_len"],
+            "val_accept_len_by_source": val_last and {k.removeprefix("accept_len_"): v for k, v in val_last.items()
+                                                      if k.startswith("accept_len_")},
             "holdout_rows": len(held), "train_rows": len(train_rows), "world_size": world.size,
             "wall_time_s": round(time.time() - t_start, 2), "final": str(final), "eval": None,
         }

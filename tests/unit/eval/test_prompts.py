@@ -103,11 +103,3 @@ def test_source_labels_from_held_out_rows_with_a_source_column(tmp_path, smollm2
     # a prepared folder without the column: no labels
     holdout.write_text(json.dumps({"data": str(tmp_path / "rows"), "rows": [1], "num_rows": 4}))
     assert load_labelled_prompts(str(holdout.parent)) == [([{"role": "user", "content": "q1"}], None)]
-
-
-def test_held_out_prompts_of_a_mixture_alternate_between_sources():
-    from dflash_train.eval.prompts import interleave_by_label
-
-    rows = [3, 5, 8, 9, 12, 20]
-    labels = ["chat", "chat", "chat", "chat", "code", "code"]
-    assert interleave_by_label(rows, labels) == [3, 12, 5, 20, 8, 9]

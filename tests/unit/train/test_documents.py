@@ -1,4 +1,5 @@
-"""Memory-mode documents: features computed up front (length-sorted batches) equal the lazy ones."""
+"""Memory-mode documents: features computed up front (length-sorted batches) equal the lazy ones;
+which rows train, which are held out and which the periodic check reads."""
 
 import pytest
 import torch
@@ -178,3 +179,26 @@ def test_dataset_labels_reuse_a_greedy_cache_or_write_a_lean_one(tmp_path, train
     assert full.path.name == "features-1-3-5" and full.manifest["greedy_next"] is True
     assert torch.equal(lean.document(1).features, full.document(1).features)
     assert offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], greedy=False).path == full.path
+
+
+def test_held_out_rows_of_a_mixture_alternate_between_sources():
+    from dflash_train.train.documents import interleave_by_label
+
+    rows = [3, 5, 8, 9, 12, 20]
+    labels = ["chat", "chat", "chat", "chat", "code", "code"]
+    assert interleave_by_label(rows, labels) == [3, 12, 5, 20, 8, 9]
+    assert interleave_by_label([], []) == []
+
+
+def test_the_periodic_check_reads_every_source_of_a_mixture():
+    from dflash_train.train.documents import holdout_split, validation_rows
+
+    # a mixture is stored source by source, so its sorted held-out ids start with the first source's
+    labels = ["chitchat"] * 300 + ["sharegpt"] * 100
+    _, held = holdout_split(len(labels), 0.1, seed=0)
+    assert [labels[i] for i in held[:8]] == ["chitchat"] * 8
+    rows = validation_rows(held, labels, 8)
+    assert [labels[i] for i in rows] == ["chitchat", "sharegpt"] * 4
+    assert set(rows) <= set(held) and len(set(rows)) == 8
+    assert validation_rows(held, None, 8) == held[:8]  # unlabelled rows: the first ones
+    assert validation_rows(held, labels, 1000) == validation_rows(held, labels, len(held))  # all of them

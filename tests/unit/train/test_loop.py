@@ -171,6 +171,30 @@ def test_reduced_vocab_run_keeps_the_most_frequent_supervised_ids(tmp_path, trai
 
 
 @pytest.mark.slow
+def test_the_periodic_check_of_a_mixture_reads_and_reports_every_source(tmp_path, train_tiny_target, train_prepared):
+    from dflash_train.data.prepare import load_prepared
+    from dflash_train.train.documents import holdout_split
+
+    # a mixture stored source by source whose first two held-out rows are both "chat": the first two
+    # held-out ids alone would check one source only
+    ds = load_prepared(train_prepared)
+    _, held = holdout_split(len(ds), 0.2, seed=0)
+    labels = ["chat" if i <= held[1] else "math" for i in range(len(ds))]
+    mixed = tmp_path / "mixed"
+    ds.add_column("source", labels).save_to_disk(str(mixed))
+    recipe = _recipe(tmp_path, train_tiny_target, mixed)
+    out = tmp_path / "run"
+    res = _train(["--config", recipe, "--output", out, "--max-steps", "2", "--set", "logging.eval_documents=2"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    by_source = summary["val_accept_len_by_source"]
+    assert sorted(by_source) == ["chat", "math"]
+    # the mixture's acceptance is the block-weighted mean of its sources'
+    assert min(by_source.values()) - 1e-9 <= summary["val_accept_len"] <= max(by_source.values()) + 1e-9
+    assert all(1.0 <= v <= 4.0 for v in by_source.values())
+
+
+@pytest.mark.slow
 def test_bf16_mixed_stays_closer_to_fp32_than_bf16_weights(reference_run, tmp_path):
     """engine.precision bf16-mixed (fp32 weights, autocast forward) trains through DeepSpeed to weights
     that differ from the fp32 run's by rounding only, less than DeepSpeed's bf16 (bf16 weights) does."""

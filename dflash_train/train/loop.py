@@ -25,6 +25,7 @@ import torch
 from dflash_train.data.packing import plan_microbatches
 from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.train import checkpointing as ckpt
+from dflash_train.train.anchors import anchor_candidates
 from dflash_train.train.batches import build_microbatch, head_weight, microbatch_loss
 from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, step_kernels
 from dflash_train.train.documents import (
@@ -88,11 +89,16 @@ class StepPlan:
         return epoch, [self.rows[i] for i in b]
 
 
-def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], epoch: int, device: torch.device):
+def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], epoch: int, device: torch.device,
+                every_anchor: bool = False):
+    """A micro-batch of `rows`: blocks at sampled anchors (`objective.anchors_per_document`, resampled each
+    epoch), or with `every_anchor` at every candidate position (the held-out check)."""
     o = recipe.objective
-    return build_microbatch(source.get(rows), rows, block_size=recipe.drafter.block_size,
+    docs = source.get(rows)
+    return build_microbatch(docs, rows, block_size=recipe.drafter.block_size,
                             anchors_per_document=o.anchors_per_document, labels=o.labels, seed=recipe.seed,
-                            epoch=epoch, gamma=o.gamma, pin_memory=device.type == "cuda")
+                            epoch=epoch, gamma=o.gamma, pin_memory=device.type == "cuda",
+                            anchors=[anchor_candidates(d.loss_mask) for d in docs] if every_anchor else None)
 
 
 def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPlan, world: World,
@@ -122,8 +128,10 @@ def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPl
 @torch.no_grad()
 def validate(engine, recipe: TrainRecipe, source: DocumentSource, rows: list[int], labels: list[str] | None,
              world: World, kernels: StepKernels) -> tuple[dict, dict] | None:
-    """Loss, accuracy per position and acceptance length on held-out rows (fixed anchors), and for a
-    mixture each source's acceptance length: ({loss, acc, accept_len, positions}, {accept_len_<source>})."""
+    """Loss, accuracy per position and acceptance length on held-out rows, with a block at every position
+    (as `dflash-train eval`'s teacher-forced "all"), so the numbers do not depend on the recipe's anchor
+    budget; and for a mixture each source's acceptance length:
+    ({loss, acc, accept_len, positions}, {accept_len_<source>})."""
     if not rows:
         return None
     groups: dict[str | None, list[int]] = {}
@@ -137,7 +145,7 @@ def validate(engine, recipe: TrainRecipe, source: DocumentSource, rows: list[int
         bins = plan_microbatches([source.lengths[i] for i in members], recipe.batch.tokens_per_microbatch,
                                  recipe.seed, 0)
         for b in bins[world.rank::world.size]:
-            mb = _microbatch(recipe, source, [members[i] for i in b], 0, world.device)
+            mb = _microbatch(recipe, source, [members[i] for i in b], 0, world.device, every_anchor=True)
             with forward_precision(recipe, world.device):
                 stats.add(microbatch_loss(engine.module, mb, loss=recipe.objective.loss,
                                           attention=kernels.attention, chunk=kernels.logits_chunk)[1])

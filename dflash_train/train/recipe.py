@@ -173,7 +173,8 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     log_every: int = Field(10, gt=0)
     eval_every: int = Field(200, gt=0)
-    eval_documents: int = Field(64, gt=0)  # held-out documents used for validation metrics
+    eval_documents: int = Field(64, gt=0)  # held-out documents of the periodic check (a block at every position;
+    # a mixture's sources take turns)
     progress: bool = True
 
 

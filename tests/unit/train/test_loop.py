@@ -173,6 +173,7 @@ def test_reduced_vocab_run_keeps_the_most_frequent_supervised_ids(tmp_path, trai
 @pytest.mark.slow
 def test_the_periodic_check_of_a_mixture_reads_and_reports_every_source(tmp_path, train_tiny_target, train_prepared):
     from dflash_train.data.prepare import load_prepared
+    from dflash_train.train.anchors import anchor_candidates, labelled_slots
     from dflash_train.train.documents import holdout_split
 
     # a mixture stored source by source whose first two held-out rows are both "chat": the first two
@@ -184,7 +185,9 @@ def test_the_periodic_check_of_a_mixture_reads_and_reports_every_source(tmp_path
     ds.add_column("source", labels).save_to_disk(str(mixed))
     recipe = _recipe(tmp_path, train_tiny_target, mixed)
     out = tmp_path / "run"
-    res = _train(["--config", recipe, "--output", out, "--max-steps", "2", "--set", "logging.eval_documents=2"])
+    # 2 anchors per training document; the check still places a block at every position
+    res = _train(["--config", recipe, "--output", out, "--max-steps", "2", "--set", "logging.eval_documents=2",
+                  "--set", "objective.anchors_per_document=2"])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     by_source = summary["val_accept_len_by_source"]
@@ -192,6 +195,16 @@ def test_the_periodic_check_of_a_mixture_reads_and_reports_every_source(tmp_path
     # the mixture's acceptance is the block-weighted mean of its sources'
     assert min(by_source.values()) - 1e-9 <= summary["val_accept_len"] <= max(by_source.values()) + 1e-9
     assert all(1.0 <= v <= 4.0 for v in by_source.values())
+    # the check read held-out rows 0 and 2 (one per source), every labelled slot of every candidate block
+    state = json.loads((out / "checkpoints" / "step-000002" / "trainer_state" / "state.json").read_text())
+    val = [e for e in state["history"] if e["split"] == "val"][-1]
+    expected = 0
+    for row in (held[0], held[2]):
+        mask = torch.tensor(ds[row]["loss_mask"]).bool()
+        anchors = anchor_candidates(mask)
+        assert len(anchors) > 2
+        expected += int(labelled_slots(anchors, mask, torch.full_like(anchors, len(mask)), 4)[0].sum())
+    assert val["positions"] == expected
 
 
 @pytest.mark.slow

@@ -21,10 +21,27 @@ def count_token_frequencies(rows: Iterable[tuple[Iterable[int], Iterable[int]]],
     """Counts [V] over tokens whose loss_mask is 1; rows are (input_ids, loss_mask) pairs."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ids, mask in rows:
-        ids_t = torch.as_tensor(list(ids), dtype=torch.long)
-        mask_t = torch.as_tensor(list(mask), dtype=torch.bool)
+        ids_t = torch.as_tensor(ids if isinstance(ids, torch.Tensor) else list(ids), dtype=torch.long)
+        mask_t = torch.as_tensor(mask if isinstance(mask, torch.Tensor) else list(mask), dtype=torch.bool)
         counts += torch.bincount(ids_t[mask_t], minlength=vocab_size)[:vocab_size]
     return counts
+
+
+def training_token_frequencies(rows, train_rows: list[int], all_counts: torch.Tensor) -> torch.Tensor:
+    """Counts [V] over the supervised tokens of `train_rows` only, so a reduced draft vocabulary
+    never sees the held-out answers it is measured on.
+
+    `rows` is the prepared dataset (`input_ids`, `loss_mask`) and `all_counts` its token_freq.json
+    (every row). The smaller side is counted: the training rows themselves, or the rest (held out,
+    or left out by `data.train_fraction`) subtracted from `all_counts`.
+    """
+    others = sorted(set(range(len(rows))) - set(train_rows))
+    if not others:
+        return all_counts.clone()
+    side = train_rows if len(train_rows) <= len(others) else others
+    picked = rows.select(side).with_format("torch", columns=["input_ids", "loss_mask"])  # a row at a time
+    counts = count_token_frequencies(((r["input_ids"], r["loss_mask"]) for r in picked), all_counts.numel())
+    return counts if side is train_rows else all_counts - counts
 
 
 def write_token_freq(path: str | Path, counts: torch.Tensor) -> None:

@@ -203,7 +203,9 @@ def _space_needed(drafter, recipe: TrainRecipe) -> int:
     return n * (4 + 8 + saved) * (recipe.checkpoint.keep_last + 1) + n * saved
 
 
-def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer, data_path: Path):
+def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer, token_counts):
+    """A new drafter as the recipe says (or `drafter.init_from`); a reduced draft vocabulary keeps the
+    ids most frequent in `token_counts`, a callable returning the training rows' supervised counts."""
     from dflash_train.features.layer_ids import check_target_layer_ids, last_layer_warning
     from dflash_train.features.mask_token import check_mask_token_id
     from dflash_train.model.checkpoint import load_drafter
@@ -237,10 +239,9 @@ def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenize
 
         init_from_target_layer(model, target_model, d.init_from_target_layer)
     if d.draft_vocab_size is not None and d.draft_vocab_size < cfg.vocab_size:
-        from dflash_train.data.vocab import read_token_freq
         from dflash_train.model.init import reduce_drafter_vocab
 
-        model = reduce_drafter_vocab(model, read_token_freq(data_path), d.draft_vocab_size,
+        model = reduce_drafter_vocab(model, token_counts(), d.draft_vocab_size,
                                      target_model.get_output_embeddings().weight)
         model.lm_head.weight.requires_grad_(d.train_lm_head)
     return model
@@ -281,12 +282,18 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
         data_path = prepared_rows(recipe.data, target_path, recipe.seed)
     barrier()
     data_path = prepared_rows(recipe.data, target_path, recipe.seed) if not world.is_main else data_path
-    drafter = _build_drafter(recipe, target_path, target_model, tokenizer, data_path).to(world.device)
-    check_writable(output, "--output", _space_needed(drafter, recipe), inside=output.is_dir())
     rows = load_rows(data_path)
     train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.seed)
     labels = list(rows["source"]) if "source" in rows.column_names else None
     train_rows = fraction_of_rows(train_rows, recipe.data.train_fraction, recipe.seed, labels)
+
+    def token_counts():  # the training rows' own: held-out answers must not pick the draft vocabulary
+        from dflash_train.data.vocab import read_token_freq, training_token_frequencies
+
+        return training_token_frequencies(rows, train_rows, read_token_freq(data_path))
+
+    drafter = _build_drafter(recipe, target_path, target_model, tokenizer, token_counts).to(world.device)
+    check_writable(output, "--output", _space_needed(drafter, recipe), inside=output.is_dir())
     cache = None
     topk = recipe.objective.kl_topk if recipe.objective.loss == "kl" else None  # teacher top-k for the kl loss
     if recipe.data.features == "offline":

@@ -109,7 +109,8 @@ class DrafterConfig(_Section):
     num_features: int = Field(5, gt=0)
     target_layer_ids: list[int] | None = None  # z-lab ids (aux - 1); default: z-lab's choice
     intermediate_size: int | None = Field(None, gt=0)
-    # reduced draft vocabulary (formats.md §6): the N most frequent supervised ids; SGLang cannot serve it
+    # reduced draft vocabulary (formats.md §6): the N most frequent supervised ids of the rows trained on (never
+    # the held-out answers it is measured on); SGLang cannot serve it
     draft_vocab_size: int | None = Field(None, gt=0)
     # the reduced vocabulary's head starts as the target's rows; train it (true) or keep it frozen
     # like the full-vocabulary head (false, the paper's convention; generalises better on little data)

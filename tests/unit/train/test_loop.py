@@ -147,25 +147,38 @@ def test_reduced_vocab_run_keeps_the_most_frequent_supervised_ids(tmp_path, trai
 
     recipe = _recipe(tmp_path, train_tiny_target, train_prepared)
     out = tmp_path / "run"
-    res = _train(["--config", recipe, "--output", out, "--max-steps", "2", "--set", "drafter.draft_vocab_size=64"])
+    # a quarter of the training rows and 12 of their 22 ids: the rows counted decide which ids are kept
+    res = _train(["--config", recipe, "--output", out, "--max-steps", "2", "--set", "drafter.draft_vocab_size=12",
+                  "--set", "data.train_fraction=0.25"])
     assert res.returncode == 0, res.stderr[-3000:]
     cfg = json.loads((out / "final" / "config.json").read_text())
-    assert cfg["draft_vocab_size"] == 64 and cfg["transformer_layer_config"]["vocab_size"] == 49152
+    assert cfg["draft_vocab_size"] == 12 and cfg["transformer_layer_config"]["vocab_size"] == 49152
     draft = load_drafter(out / "final")
-    d2t, t2d = reduced_vocab_maps(read_token_freq(train_prepared), 64)
+    # the vocabulary comes from the trained rows' answers alone: not the held-out ones, not the rows left out
+    from dflash_train.data.prepare import load_prepared
+    from dflash_train.data.vocab import count_token_frequencies
+    from dflash_train.train.documents import fraction_of_rows
+
+    rows = load_prepared(train_prepared)
+    held = set(json.loads((out / "holdout_rows.json").read_text())["rows"])
+    trained = fraction_of_rows([i for i in range(len(rows)) if i not in held], 0.25, 0)
+    assert held and 0 < len(trained) < len(rows) - len(held)
+    counts = count_token_frequencies([(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in trained], 49152)
+    d2t, t2d = reduced_vocab_maps(counts, 12)
     assert torch.equal(draft.d2t, d2t) and torch.equal(draft.t2d, t2d)
-    assert draft.lm_head.weight.shape == (64, 64)
+    assert not torch.equal(t2d, reduced_vocab_maps(read_token_freq(train_prepared), 12)[1])
+    assert draft.lm_head.weight.shape == (12, 64)
     # every kept id maps back onto itself through d2t
     kept = torch.nonzero(t2d).squeeze(1)
-    assert torch.equal(draft.draft_to_target(torch.arange(64)), kept)
+    assert torch.equal(draft.draft_to_target(torch.arange(12)), kept)
     # the reduced head is the target's rows, frozen by default; drafter.train_lm_head trains it
     from transformers import AutoModelForCausalLM
 
     target_head = AutoModelForCausalLM.from_pretrained(str(train_tiny_target)).get_output_embeddings().weight.detach()
     assert torch.equal(draft.lm_head.weight, target_head[kept])
     out2 = tmp_path / "run-trained-head"
-    res = _train(["--config", recipe, "--output", out2, "--max-steps", "2", "--set", "drafter.draft_vocab_size=64",
-                  "--set", "drafter.train_lm_head=true"])
+    res = _train(["--config", recipe, "--output", out2, "--max-steps", "2", "--set", "drafter.draft_vocab_size=12",
+                  "--set", "data.train_fraction=0.25", "--set", "drafter.train_lm_head=true"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert (load_drafter(out2 / "final").lm_head.weight - target_head[kept]).abs().max() > 1e-5
 

@@ -211,7 +211,7 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
         typer.echo(f"held-out spec decode: tau={report['tau']:.3f} lossless={report['lossless']} "
                    f"speedup={report['speedup']}")
     if summary:
-        keys = ("steps", "train_loss", "val_loss", "val_accept_len", "wall_time_s")
+        keys = ("steps", "train_loss", "val_loss", "val_accept_len", "fit_accept_len", "wall_time_s")
         typer.echo(" ".join(f"{k}={summary.get(k)}" for k in keys))
         typer.echo(f"drafter: {summary['final']}")
 
@@ -296,9 +296,10 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
                       f"{tf['all']:.3f} / {tf['at_decode_steps']:.3f} / {tf['served']:.3f}  ({tf['verdict']}; "
                       f"{100 * tf['step_agreement']:.1f}% of {tf['steps']} steps agree)")
     by_source = "".join(f", {k} {v:.3f}" for k, v in (s.get("val_accept_len_by_source") or {}).items())
-    table.add_row("train: steps / rows / val accept len",
+    table.add_row("train: steps / rows / val accept len / the same on training rows",
                   f"{s['train_steps']} / {s['train_rows']} / {s['val_accept_len'] or float('nan'):.3f}"
-                  + (f"  ({by_source[2:]})" if by_source else ""))
+                  + (f"  ({by_source[2:]})" if by_source else "")
+                  + f" / {s.get('fit_accept_len') or float('nan'):.3f}")
     table.add_row("validate (vLLM + SGLang rules)", "pass" if s["validate_ok"] else "FAIL")
     for name, path in s["paths"].items():
         table.add_row(name, path)

@@ -87,7 +87,8 @@ def run_result(run: Path, variant: Variant, fraction: float, seconds: dict) -> d
         "variant": variant.name, "overrides": list(variant.overrides), "fraction": fraction,
         "train_rows": summary.get("train_rows"), "steps": summary.get("steps"),
         "val_accept_len": summary.get("val_accept_len"),
-        "val_accept_len_by_source": summary.get("val_accept_len_by_source") or {}, "tau": report["tau"],
+        "val_accept_len_by_source": summary.get("val_accept_len_by_source") or {},
+        "fit_accept_len": summary.get("fit_accept_len"), "tau": report["tau"],
         "tau_by_source": {k: v["tau"] for k, v in (report.get("per_source") or {}).items()},
         "prompts": len(report.get("prompts", [])),
         "teacher_forced_at_decode_steps": tf.get("at_decode_steps"),
@@ -144,7 +145,8 @@ def sources_of(results: list[dict]) -> list[str]:
 def markdown_table(sweep: dict) -> str:
     results = sweep["runs"]
     sources = sources_of(results)
-    head = ["setting", "overrides", "train rows", "steps", "train min", "val accept len", "tau (all)",
+    head = ["setting", "overrides", "train rows", "steps", "train min", "val accept len",
+            "the same on training rows", "tau (all)",
             *[f"tau {s}" for s in sources]]
 
     def num(x, f="{:.2f}"):
@@ -155,7 +157,7 @@ def markdown_table(sweep: dict) -> str:
         name = r["variant"] + ("" if r["fraction"] == 1 else f" ({r['fraction']:g} of the rows)")
         cells = [name, " ".join(f"`{o}`" for o in r["overrides"]) or "-", str(r["train_rows"]), str(r["steps"]),
                  num(r["train_seconds"] and r["train_seconds"] / 60, "{:.1f}"), num(r["val_accept_len"]),
-                 num(r["tau"]), *[num(r["tau_by_source"].get(s)) for s in sources]]
+                 num(r.get("fit_accept_len")), num(r["tau"]), *[num(r["tau_by_source"].get(s)) for s in sources]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -134,6 +134,13 @@ def validation_rows(held: list[int], labels: list[str] | None, count: int) -> li
     return order[:count]
 
 
+def fit_rows(train_rows: list[int], labels: list[str] | None, count: int, seed: int) -> list[int]:
+    """`count` training rows for the check's like-for-like training numbers: a seeded random draw,
+    the sources taking turns as in `validation_rows`."""
+    order = random.Random(f"fit-{seed}").sample(train_rows, len(train_rows))
+    return (interleave_by_label(order, [labels[i] for i in order]) if labels else order)[:count]
+
+
 def fraction_of_rows(rows: list[int], fraction: float, seed: int, labels: list[str] | None = None) -> list[int]:
     """A seeded `fraction` of `rows`, sorted: the same share of each label's rows when labelled, and
     nested (a smaller fraction's rows are inside a larger one's), so data-size curves compare like with like."""

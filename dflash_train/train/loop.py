@@ -30,6 +30,7 @@ from dflash_train.train.batches import build_microbatch, head_weight, microbatch
 from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, step_kernels
 from dflash_train.train.documents import (
     DocumentSource,
+    fit_rows,
     fraction_of_rows,
     holdout_split,
     load_rows,
@@ -155,6 +156,10 @@ def validate(engine, recipe: TrainRecipe, source: DocumentSource, rows: list[int
             by_source[f"accept_len_{label}"] = stats.summary()["accept_len"]
     engine.module.train()
     return total.summary(), by_source
+
+
+def _by_source(entry: dict) -> dict:
+    return {k.removeprefix("accept_len_"): v for k, v in entry.items() if k.startswith("accept_len_")}
 
 
 RESUME_MODES = ("must", "auto")  # --resume: a checkpoint must exist / resume one if it exists, else start
@@ -303,6 +308,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                             topk=topk, target_hidden=target_model.config.get_text_config().hidden_size)
     plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size)
     val_rows = validation_rows(held, labels, recipe.logging.eval_documents)
+    fit_count = recipe.logging.eval_documents if recipe.logging.fit_documents is None else recipe.logging.fit_documents
+    check_fit_rows = fit_rows(train_rows, labels, fit_count, recipe.seed) if val_rows else []
     source.warm(train_rows + val_rows, progress=world.is_main and recipe.logging.progress)
     drafter.activation_checkpointing = recipe.engine.activation_checkpointing
     engine, scheduler = build_engine(drafter, recipe, plan.total)
@@ -363,8 +370,11 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
         if done % recipe.logging.eval_every == 0 or done == plan.total:
             with oom_guard(recipe, world.device):
                 val = validate(engine, recipe, source, val_rows, labels, world, kernels)
+                fit = validate(engine, recipe, source, check_fit_rows, labels, world, kernels)
             if val is not None:
                 log.record(done, "val", *val)
+            if fit is not None:
+                log.record(done, "fit", *fit)
         if done % recipe.checkpoint.save_every == 0 or done == plan.total:
             save(done)
     progress.close()
@@ -375,7 +385,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     final = ckpt.save_final(engine, world, output, recipe.drafter.dtype)
     summary = {}
     if world.is_main:
-        train_last, val_last = log.last("train"), log.last("val")
+        train_last, val_last, fit_last = log.last("train"), log.last("val"), log.last("fit")
         summary = {
             "target": str(recipe.target or target_path), "data": str(data_path),
             "data_source": recipe.data.prepared or ", ".join(recipe.data.source_names()),
@@ -385,8 +395,10 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             "val_acc_per_position": val_last and val_last["acc"],
             "train_accept_len": train_last and train_last["accept_len"],
             "val_accept_len": val_last and val_last["accept_len"],
-            "val_accept_len_by_source": val_last and {k.removeprefix("accept_len_"): v for k, v in val_last.items()
-                                                      if k.startswith("accept_len_")},
+            "val_accept_len_by_source": val_last and _by_source(val_last),
+            # the same check on training rows: held-out acceptance well below it is data, not the drafter
+            "fit_loss": fit_last and fit_last["loss"], "fit_accept_len": fit_last and fit_last["accept_len"],
+            "fit_accept_len_by_source": fit_last and _by_source(fit_last),
             "holdout_rows": len(held), "train_rows": len(train_rows), "world_size": world.size,
             "wall_time_s": round(time.time() - t_start, 2), "final": str(final), "eval": None,
         }

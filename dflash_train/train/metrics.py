@@ -81,14 +81,15 @@ class Progress:
 
 
 def plot_curves(history: list[dict], path: Path) -> None:
-    """Loss and acceptance curves (train and val) and the last per-position accuracy, one PNG."""
+    """Loss and acceptance curves (the steps' own, the check's on training rows and on held-out rows) and the
+    last per-position accuracy, one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for split, style in (("train", "-"), ("val", "o-")):
+    for split, style in (("train", "-"), ("fit", "s--"), ("val", "o-")):
         rows = [h for h in history if h["split"] == split]
         if not rows:
             continue

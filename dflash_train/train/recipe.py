@@ -176,6 +176,10 @@ class LoggingConfig(_Section):
     eval_every: int = Field(200, gt=0)
     eval_documents: int = Field(64, gt=0)  # held-out documents of the periodic check (a block at every position;
     # a mixture's sources take turns)
+    # training documents the check also measures the same way (`fit/` in TensorBoard), so held-out acceptance
+    # has a like-for-like training number: the step's own `train/` numbers sample anchors per document,
+    # which weighs short rows' positions more. null: as many as eval_documents; 0: off
+    fit_documents: int | None = Field(None, ge=0)
     progress: bool = True
 
 

@@ -109,13 +109,13 @@ def test_the_table_has_a_column_per_source(tmp_path):
     from dflash_train.sweep import markdown_table, write_outputs
 
     run = {"variant": "baseline", "overrides": [], "train_rows": 100, "steps": 40, "train_seconds": 90.0,
-           "val_accept_len": 2.0, "tau": 1.5, "tau_by_source": {"chat": 1.75, "code": 1.25}}
+           "val_accept_len": 2.0, "fit_accept_len": 2.25, "tau": 1.5, "tau_by_source": {"chat": 1.75, "code": 1.25}}
     sweep = {"runs": [{**run, "fraction": 0.5}, {**run, "fraction": 1.0, "train_rows": 200, "tau": 1.9,
                                                  "tau_by_source": {"chat": 2.0}}]}
     lines = markdown_table(sweep).splitlines()
-    assert lines[0] == ("| setting | overrides | train rows | steps | train min | val accept len | tau (all) "
-                        "| tau chat | tau code |")
-    assert lines[2] == "| baseline (0.5 of the rows) | - | 100 | 40 | 1.5 | 2.00 | 1.50 | 1.75 | 1.25 |"
+    assert lines[0] == ("| setting | overrides | train rows | steps | train min | val accept len "
+                        "| the same on training rows | tau (all) | tau chat | tau code |")
+    assert lines[2] == "| baseline (0.5 of the rows) | - | 100 | 40 | 1.5 | 2.00 | 2.25 | 1.50 | 1.75 | 1.25 |"
     assert lines[3].endswith("| 1.90 | 2.00 | - |")
     write_outputs(tmp_path, sweep)
     assert json.loads((tmp_path / "sweep.json").read_text()) == sweep

@@ -202,3 +202,17 @@ def test_the_periodic_check_reads_every_source_of_a_mixture():
     assert set(rows) <= set(held) and len(set(rows)) == 8
     assert validation_rows(held, None, 8) == held[:8]  # unlabelled rows: the first ones
     assert validation_rows(held, labels, 1000) == validation_rows(held, labels, len(held))  # all of them
+
+
+def test_the_check_on_training_rows_draws_each_source_in_turn_from_the_training_rows():
+    from dflash_train.train.documents import fit_rows, holdout_split, validation_rows
+
+    labels = ["chitchat"] * 300 + ["sharegpt"] * 100
+    train, held = holdout_split(len(labels), 0.1, seed=0)
+    rows = fit_rows(train, labels, 8, seed=0)
+    assert [labels[i] for i in rows] == ["chitchat", "sharegpt"] * 4
+    assert set(rows) <= set(train) and len(set(rows)) == 8
+    assert not set(rows) & set(validation_rows(train, labels, 8))  # a random draw, not each source's first rows
+    assert rows == fit_rows(train, labels, 8, seed=0) and rows != fit_rows(train, labels, 8, seed=1)
+    assert fit_rows(train, labels, 0, seed=0) == []
+    assert sorted(fit_rows(train, None, 1000, seed=0)) == train  # unlabelled: a shuffle of every row

@@ -218,6 +218,17 @@ def test_the_periodic_check_of_a_mixture_reads_and_reports_every_source(tmp_path
         assert len(anchors) > 2
         expected += int(labelled_slots(anchors, mask, torch.full_like(anchors, len(mask)), 4)[0].sum())
     assert val["positions"] == expected
+    # the same check on as many training rows, one of each source: a seeded draw, the same on every run
+    from dflash_train.train.documents import fit_rows
+
+    train_rows = [i for i in range(len(ds)) if i not in held]
+    fit = [e for e in state["history"] if e["split"] == "fit"][-1]
+    chosen = fit_rows(train_rows, labels, 2, 0)
+    assert sorted(labels[i] for i in chosen) == ["chat", "math"] and chosen == fit_rows(train_rows, labels, 2, 0)
+    assert fit["positions"] == sum(
+        int(labelled_slots(anchor_candidates(m), m, torch.full_like(anchor_candidates(m), len(m)), 4)[0].sum())
+        for m in (torch.tensor(ds[row]["loss_mask"]).bool() for row in chosen))
+    assert sorted(summary["fit_accept_len_by_source"]) == ["chat", "math"] and summary["fit_accept_len"] >= 1.0
 
 
 @pytest.mark.slow

@@ -3,8 +3,12 @@
 import torch
 
 from dflash_train.data.prepare import load_prepared
-from dflash_train.data.vocab import count_token_frequencies, read_token_freq, reduced_vocab_maps, \
-    training_token_frequencies
+from dflash_train.data.vocab import (
+    count_token_frequencies,
+    read_token_freq,
+    reduced_vocab_maps,
+    training_token_frequencies,
+)
 
 
 def _direct(rows, keep):

@@ -129,10 +129,10 @@ def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPl
 @torch.no_grad()
 def validate(engine, recipe: TrainRecipe, source: DocumentSource, rows: list[int], labels: list[str] | None,
              world: World, kernels: StepKernels) -> tuple[dict, dict] | None:
-    """Loss, accuracy per position and acceptance length on held-out rows, with a block at every position
-    (as `dflash-train eval`'s teacher-forced "all"), so the numbers do not depend on the recipe's anchor
-    budget; and for a mixture each source's acceptance length:
-    ({loss, acc, accept_len, positions}, {accept_len_<source>})."""
+    """Loss, accuracy per position and acceptance length on `rows` (held-out rows, or training rows for
+    the like-for-like `fit/` numbers) with a block at every position, as `dflash-train eval`'s
+    teacher-forced "all", so the numbers do not depend on the recipe's anchor budget; and for a
+    mixture each source's acceptance length: ({loss, acc, accept_len, positions}, {accept_len_<source>})."""
     if not rows:
         return None
     groups: dict[str | None, list[int]] = {}

@@ -53,10 +53,12 @@ def to_speculators(
 ) -> None:
     """Convert to the speculators format (what `vllm serve DIR` auto-detects)."""
     from convert.convert import convert_checkpoint
+    from dflash_train.output_lock import output_lock
 
-    _report(convert_checkpoint(src, out, "speculators", verifier=verifier, block_size=block_size,
-                               mask_token_id=mask_token_id, layer_ids=_layer_ids(layer_ids),
-                               max_shard_bytes=int(max_shard_gb * 1024**3), overwrite=overwrite))
+    with output_lock(out, "OUT", "to-speculators"):
+        _report(convert_checkpoint(src, out, "speculators", verifier=verifier, block_size=block_size,
+                                   mask_token_id=mask_token_id, layer_ids=_layer_ids(layer_ids),
+                                   max_shard_bytes=int(max_shard_gb * 1024**3), overwrite=overwrite))
 
 
 @app.command("to-zlab")
@@ -72,11 +74,17 @@ def to_zlab(
     overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
 ) -> None:
     """Convert to the z-lab format (SGLang and HF remote code)."""
+    from dflash_train.output_lock import output_lock
+
+    with output_lock(out, "OUT", "to-zlab"):
+        _to_zlab(src, out, expand_vocab, target, mask_token_id, int(max_shard_gb * 1024**3), overwrite)
+
+
+def _to_zlab(src: Path, out: Path, expand_vocab: bool, target, mask_token_id, max_bytes: int, overwrite: bool) -> None:
     from convert.convert import convert_checkpoint, read_source
     from convert.vocab import expand_vocab as expand
     from dflash_train.outputs import plan_output
 
-    max_bytes = int(max_shard_gb * 1024**3)
     plan_output(out, "OUT", sources=[src, target], overwrite=overwrite)
     source = read_source(src, mask_token_id=mask_token_id, target=target)
     if source.config.reduced_vocab and not expand_vocab:
@@ -136,9 +144,11 @@ def reduce_vocab(
 ) -> None:
     """Keep the Vd most frequent ids: lm_head = the target LM-head rows where t2d is set, plus d2t/t2d."""
     from convert.vocab import reduce_vocab as reduce
+    from dflash_train.output_lock import output_lock
 
-    _report(reduce(src, out, token_freq, size, target=target, max_shard_bytes=int(max_shard_gb * 1024**3),
-                   overwrite=overwrite))
+    with output_lock(out, "OUT", "reduce-vocab"):
+        _report(reduce(src, out, token_freq, size, target=target, max_shard_bytes=int(max_shard_gb * 1024**3),
+                       overwrite=overwrite))
 
 
 @app.command("push-to-hub")

@@ -56,12 +56,14 @@ def init_drafter(output: Path = typer.Option(..., "--output", help="Folder to wr
     """Write a freshly initialised drafter for the target in the speculators format."""
     from dflash_train.model.checkpoint import save_drafter
     from dflash_train.model.init import new_drafter_for_target
+    from dflash_train.output_lock import output_lock
     from dflash_train.outputs import plan_output
 
-    plan_output(output, "--output", sources=[target], overwrite=overwrite)
-    model = new_drafter_for_target(target, num_layers=num_layers, block_size=block_size,
-                                   mask_token_id=mask_token_id, num_features=num_features, seed=seed)
-    save_drafter(model, output, overwrite=overwrite, command="init-drafter", flag="--output", sources=[target])
+    with output_lock(output, "--output", "init-drafter"):
+        plan_output(output, "--output", sources=[target], overwrite=overwrite)
+        model = new_drafter_for_target(target, num_layers=num_layers, block_size=block_size,
+                                       mask_token_id=mask_token_id, num_features=num_features, seed=seed)
+        save_drafter(model, output, overwrite=overwrite, command="init-drafter", flag="--output", sources=[target])
     typer.echo(f"wrote {output}")
 
 
@@ -83,9 +85,12 @@ def prepare(data: list[str] = typer.Option(..., "--data", help="Hub dataset id, 
     import json
 
     from dflash_train.data.prepare import prepare_dataset
+    from dflash_train.output_lock import output_lock
 
-    summary = prepare_dataset(target, data[0] if len(data) == 1 else data, output, max_samples=max_samples, max_length=max_length,
-                              split=split, subset=subset, max_turns=max_turns, overwrite=overwrite)
+    with output_lock(output, "--output", "prepare"):
+        summary = prepare_dataset(target, data[0] if len(data) == 1 else data, output, max_samples=max_samples,
+                                  max_length=max_length, split=split, subset=subset, max_turns=max_turns,
+                                  overwrite=overwrite)
     typer.echo(json.dumps({k: v for k, v in summary.items() if k != "inputs"}, indent=2))
     typer.echo(f"wrote {output}")
 
@@ -115,9 +120,12 @@ def regenerate(data: Path = typer.Option(..., "--data", help="A prepared dataset
 
     if thinking not in (None, "on", "off"):
         raise ConfigError(f"--thinking {thinking!r}: use on or off")
-    summary = regenerate_dataset(target, data, output, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 thinking=None if thinking is None else thinking == "on", engine=engine,
-                                 batch_size=batch_size, seed=seed, dtype=dtype, overwrite=overwrite)
+    from dflash_train.output_lock import output_lock
+
+    with output_lock(output, "--output", "regenerate"):
+        summary = regenerate_dataset(target, data, output, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     thinking=None if thinking is None else thinking == "on", engine=engine,
+                                     batch_size=batch_size, seed=seed, dtype=dtype, overwrite=overwrite)
     typer.echo(json.dumps({k: v for k, v in summary.items() if k != "inputs"}, indent=2))
     typer.echo(f"wrote {output}")
 
@@ -151,10 +159,13 @@ def features(data: Path = typer.Option(..., "--data", help="A prepared dataset f
         ids = [int(x) for v in layer_ids or [] for x in v.replace(",", " ").split()]
     except ValueError:
         raise ConfigError(f"--layer-ids {layer_ids}: give integers, e.g. --layer-ids 1,8,14,20,27") from None
+    from dflash_train.output_lock import output_lock
+
     stats: dict = {}
-    path = write_feature_cache(target, data, output, target_layer_ids=ids or None, batch_size=batch_size,
-                               rows_per_shard=rows_per_shard, batch_tokens=batch_tokens, io_threads=io_threads,
-                               stats=stats, topk=topk, target_dtype=target_dtype, greedy=greedy)
+    with output_lock(output, "--output", "features"):
+        path = write_feature_cache(target, data, output, target_layer_ids=ids or None, batch_size=batch_size,
+                                   rows_per_shard=rows_per_shard, batch_tokens=batch_tokens, io_threads=io_threads,
+                                   stats=stats, topk=topk, target_dtype=target_dtype, greedy=greedy)
     m = FeatureCache(path).manifest
     per_token = bytes_per_token(m["feature_dim"], m["dtype"], m["topk"])
     typer.echo(f"wrote {path}: {m['num_rows']} rows, {m['num_tokens']} tokens, {len(m['shards'])} shards, "
@@ -195,11 +206,13 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
         resolved = resolve_init_from(resolved)
         typer.echo(resolved.to_yaml(), nl=False)
         return
+    from dflash_train.output_lock import output_lock
     from dflash_train.train.loop import train as run_training
 
     out = output or Path("runs") / config.stem
-    summary = run_training(resolved, out, resume=resume, sources=[config],
-                           notify=lambda msg: typer.echo(msg, err=True))
+    with output_lock(out, "--output", "train"):  # rank 0 holds it for every rank
+        summary = run_training(resolved, out, resume=resume, sources=[config],
+                               notify=lambda msg: typer.echo(msg, err=True))
     if summary and resolved.recipe.eval.enabled:  # rank 0 only: other ranks return no summary
         import torch
 
@@ -277,8 +290,10 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
 
     from dflash_train.demo import run_demo
     from dflash_train.machine import describe
+    from dflash_train.output_lock import output_lock
 
-    s = run_demo(output, config, overrides, num_prompts, max_new_tokens)
+    with output_lock(output, "--output", "demo"):
+        s = run_demo(output, config, overrides, num_prompts, max_new_tokens)
     table = Table(title="dflash-toolkit demo (SmolLM2-135M target, greedy, held-out prompts)")
     table.add_column("what")
     table.add_column("value", overflow="fold")
@@ -320,10 +335,12 @@ def sweep(output: Path = typer.Option(..., "--output", help="Sweep folder: one r
           num_prompts: int = typer.Option(24, "--num-prompts", help="Held-out prompts per eval (alternating sources)."),
           max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per eval prompt.")) -> None:
     """Train a recipe under several settings and data sizes; table of held-out tau per source."""
+    from dflash_train.output_lock import output_lock
     from dflash_train.sweep import markdown_table, parse_fractions, parse_variant, run_sweep
 
-    result = run_sweep(output, config, overrides, [parse_variant(v) for v in variants], parse_fractions(fractions),
-                       num_prompts, max_new_tokens)
+    with output_lock(output, "--output", "sweep"):
+        result = run_sweep(output, config, overrides, [parse_variant(v) for v in variants],
+                           parse_fractions(fractions), num_prompts, max_new_tokens)
     typer.echo(markdown_table(result), nl=False)
     typer.echo(f"wrote {output / 'sweep.json'}, {output / 'sweep.md'}")
 

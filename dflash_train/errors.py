@@ -45,21 +45,56 @@ def os_error_line(exc: OSError) -> str:
     return f"{exc.filename}: {what}; {hint}"
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP arrived: raised in the main thread so every `finally` (temp folders, locks,
+    engine workers) runs, as it does for Ctrl-C. A BaseException, so no `except Exception` eats it."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    import signal
+
+    signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
+    raise Stopped(signum)
+
+
 def run_cli(app) -> None:
     """Run a CLI app; a DFlashError becomes one line on stderr and exit code 2, no traceback.
 
     An OSError that names a file (permissions, a full disk, a folder where a file was expected)
-    is the user's to fix and is rendered the same way; every other exception is a bug and keeps
-    its traceback."""
+    is the user's to fix and is rendered the same way, and so is a full disk anywhere; SIGTERM,
+    SIGHUP and Ctrl-C clean up (temp folders, locks) and end with one line. Every other exception
+    is a bug and keeps its traceback."""
+    import errno
+    import signal
     import sys
 
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(signum, _stop)
+        except (ValueError, OSError):  # not the main thread (an embedding caller): leave theirs
+            pass
     try:
         app()
     except DFlashError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Stopped as exc:
+        print(f"error: stopped by {exc}; temporary files were removed (a resumable command continues where it "
+              "stopped when run again)", file=sys.stderr)
+        raise SystemExit(128 + exc.signum) from None
+    except KeyboardInterrupt:
+        print("error: interrupted; temporary files were removed (a resumable command continues where it stopped "
+              "when run again)", file=sys.stderr)
+        raise SystemExit(130) from None
     except OSError as exc:
-        if exc.filename is None:
+        if exc.filename is None and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        print(f"error: {os_error_line(exc)}", file=sys.stderr)
+        line = os_error_line(exc) if exc.filename is not None else f"the disk is full ({exc.strerror}); free some space"
+        print(f"error: {line}", file=sys.stderr)
         raise SystemExit(2) from None

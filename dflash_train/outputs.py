@@ -7,17 +7,24 @@
   - an empty folder, or
   - an earlier toolkit output and `--overwrite` was given: a folder holding the marker file
     `.dflash-output.json`, or a JSON / PNG file carrying the toolkit's stamp.
-  A folder or file the toolkit did not write is never replaced, `--overwrite` or not.
+  A folder or file the toolkit did not write is never replaced, `--overwrite` or not. Nor is a
+  file someone added to a toolkit folder afterwards: the marker lists the files the toolkit wrote,
+  and `--overwrite` on a folder holding others is refused, naming them. A folder a command grows in
+  place (a training run, a feature cache, a demo or sweep folder) is never replaced by another
+  command's `--overwrite`.
 - A path that holds a source (equals it, lies inside it or contains it), `/`, the home folder,
   the current folder and any folder containing those are refused outright.
 - The location must be writable and have room for the output before the work starts.
 
 Folders are written into a temp folder beside the output and renamed into place; a replaced
 folder is moved aside first and deleted only after its marker was checked once more.
+
+One command at a time writes an output: see `dflash_train.output_lock`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -35,6 +42,8 @@ STAMP_KEY = "dflash_output"  # the stamp inside JSON files the toolkit writes
 TOOL = "dflash-toolkit"
 
 NEW, EMPTY, REPLACE, OWN = "new", "empty", "replace", "own"
+# commands whose output folder grows in place (no file list in their marker): never another's --overwrite
+IN_PLACE_COMMANDS = ("train", "features", "demo", "sweep")
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,7 @@ class OutputPlan:
 # ---- stamps -----------------------------------------------------------------------------
 
 def stamp(command: str) -> dict:
-    """Who wrote an output and when: the marker file's content and the JSON stamp."""
+    """Who wrote an output and when: the JSON stamp, and the core of the marker file."""
     try:
         from importlib.metadata import version
 
@@ -76,6 +85,45 @@ def folder_stamp(path: str | Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("tool") == TOOL else None
+
+
+def _files_under(folder: Path) -> list[str]:
+    """Every file (and link) under `folder`, as relative POSIX paths, the marker excluded."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            rel = Path(root, name).relative_to(folder).as_posix()
+            if rel != MARKER:
+                found.append(rel)
+    return sorted(found)
+
+
+def foreign_files(folder: str | Path, st: dict | None = None) -> list[str]:
+    """Files in a toolkit folder that the toolkit did not write there: those missing from the file
+    list of its marker; for a marker written before the list existed, those newer than the marker."""
+    folder = Path(folder)
+    st = st if st is not None else folder_stamp(folder)
+    if st is None:
+        return _files_under(folder)
+    listed = st.get("files")
+    if isinstance(listed, list):
+        known = set(map(str, listed))
+        return [f for f in _files_under(folder) if f not in known]
+    try:
+        marked = (folder / MARKER).stat().st_mtime
+    except OSError:
+        return _files_under(folder)
+    return [f for f in _files_under(folder) if (folder / f).lstat().st_mtime > marked + 2.0]
+
+
+def grows_in_place(st: dict | None) -> bool:
+    """A folder a command fills in place (a run, a cache): only that command continues it."""
+    return bool(st) and (bool(st.get("in_place")) or st.get("command") in IN_PLACE_COMMANDS)
+
+
+def _named(files: list[str], most: int = 4) -> str:
+    shown = ", ".join(files[:most])
+    return shown + (f" and {len(files) - most} more" if len(files) > most else "")
 
 
 def file_stamp(path: str | Path) -> dict | None:
@@ -124,7 +172,7 @@ def _describe(st: dict | None) -> str:
     return f"an earlier dflash-toolkit output ({st.get('command', '?')}, {st.get('created', 'unknown time')})"
 
 
-def _check_places(path: Path, flag: str, sources: Iterable) -> None:
+def check_places(path: Path, flag: str, sources: Iterable) -> None:
     """Refuse /, home, the current folder, their parents, and anything holding a source."""
     real = _real(path)
     home, cwd = _real(Path.home()), _real(Path.cwd())
@@ -200,7 +248,7 @@ def plan_output(path: str | Path, flag: str, *, kind: str = "folder", sources: I
     if kind not in ("folder", "file"):
         raise ValueError(f"kind must be folder or file, not {kind!r}")
     path = Path(path)
-    _check_places(path, flag, sources)
+    check_places(path, flag, sources)
     hint = " or pass --overwrite to replace it" if overwrite is not None else ""
     if path.is_symlink():
         raise OutputError(f"{flag} {path}: is a symbolic link; the toolkit does not write through links. "
@@ -219,6 +267,14 @@ def plan_output(path: str | Path, flag: str, *, kind: str = "folder", sources: I
             raise OutputError(f"{flag} {path}: folder exists and is not a dflash-toolkit output (no {MARKER} "
                               "inside); it is never replaced, --overwrite or not. Choose a new path")
         elif overwrite:
+            if grows_in_place(st):
+                raise OutputError(f"{flag} {path}: holds {_describe(st)}, a folder that command grows in place; "
+                                  "--overwrite never replaces it. Choose a new path (or delete it yourself)")
+            extra = foreign_files(path, st)
+            if extra:
+                raise OutputError(f"{flag} {path}: holds files the toolkit did not write there ({_named(extra)}); "
+                                  "--overwrite replaces only the toolkit's own files. Move them out or choose a "
+                                  "new path")
             action = REPLACE
         else:
             raise OutputError(f"{flag} {path}: holds {_describe(st)}; choose a new path{hint}")
@@ -254,11 +310,17 @@ def check_distinct(*named: tuple[str, str | Path | None]) -> None:
 
 # ---- writing ----------------------------------------------------------------------------
 
-def write_marker(folder: str | Path, command: str) -> None:
-    """Mark `folder` as written by the toolkit (temp file + rename)."""
+def write_marker(folder: str | Path, command: str, *, in_place: bool = False) -> None:
+    """Mark `folder` as written by the toolkit (temp file + rename). A finished folder's marker lists
+    its files (what `--overwrite` may replace); one that grows in place says so instead."""
     folder = Path(folder)
+    data = stamp(command)
+    if in_place:
+        data["in_place"] = True
+    else:
+        data["files"] = _files_under(folder)
     tmp = folder / f".{MARKER}.tmp"
-    tmp.write_text(json.dumps(stamp(command), indent=2) + "\n")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, folder / MARKER)
 
 
@@ -266,7 +328,7 @@ def ensure_folder(plan: OutputPlan, command: str) -> Path:
     """Create (or keep) a folder that a command fills in place, and mark it."""
     plan.path.mkdir(parents=True, exist_ok=True)
     if folder_stamp(plan.path) is None:
-        write_marker(plan.path, command)
+        write_marker(plan.path, command, in_place=True)
     return plan.path
 
 
@@ -299,14 +361,53 @@ def folder_output(path: str | Path, flag: str, command: str, *, sources: Iterabl
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
-        yield tmp
-        write_marker(tmp, command)
+        try:
+            yield tmp
+            if plan.action == OWN and out.is_dir():
+                _carry_foreign(out, tmp)
+            write_marker(tmp, command)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise disk_full(out, flag, tmp, need_bytes) from None
         if plan.action == REPLACE and folder_stamp(out) is None:
             raise OutputError(f"{flag} {out}: its {MARKER} vanished while writing; nothing was replaced")
         install_folder(tmp, out, replace_ok=plan.action in (REPLACE, OWN))
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)  # our own temp folder, never a user path
+
+
+def _carry_foreign(out: Path, tmp: Path) -> None:
+    """A command rewriting its own folder (a run's final/) keeps what others added there."""
+    st = folder_stamp(out)
+    for rel in foreign_files(out, st) if st is not None else []:
+        if not (tmp / rel).exists():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(out / rel, tmp / rel, follow_symlinks=False)
+
+
+def folder_size(path: str | Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def disk_full(out: Path, flag: str, partial: Path | None = None, need_bytes: int = 0) -> OutputError:
+    """The one-line error for a disk that filled while `out` was written (the partial files are the
+    caller's to remove; it names what was written, what the disk has free and what to do)."""
+    written = folder_size(partial) if partial is not None and Path(partial).exists() else 0
+    where = _nearest_existing(Path(os.path.abspath(out)))
+    free = shutil.disk_usage(where).free
+    need = max(need_bytes, written)
+    return OutputError(f"{flag} {out}: the disk filled while writing it ({_size(written)} written, {_size(free)} free "
+                       f"now; it needs at least {_size(need)} more); nothing was kept. Free space or choose another "
+                       "location, and run the command again")
 
 
 def discard_folder(path: str | Path) -> bool:

@@ -172,11 +172,12 @@ def _default_chunk() -> int:
 def _run(ds, todo, done, gen, renderer, chunk, seed, max_length, progress_path) -> None:
     from tqdm import tqdm
 
-    start, tokens, synced = time.perf_counter(), 0, time.monotonic()
+    start, tokens, rows_done, synced = time.perf_counter(), 0, 0, time.monotonic()
+    # progress is shown, never read back: a disabled bar (TQDM_DISABLE=1, no TTY) lacks n/initial
     bar = tqdm(total=len(ds), initial=len(ds) - len(todo), desc="regenerate", unit="row")
     with open(progress_path, "a", encoding="utf-8") as progress:
         def finished(i: int, msgs: list[dict], info: dict) -> None:  # a row's last turn is done: write it now
-            nonlocal tokens, synced
+            nonlocal tokens, rows_done, synced
             record = {"index": i, "messages": msgs, **info}
             done[i] = record
             progress.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -185,9 +186,10 @@ def _run(ds, todo, done, gen, renderer, chunk, seed, max_length, progress_path) 
                 os.fsync(progress.fileno())
                 synced = time.monotonic()
             tokens += info["new_tokens"]
+            rows_done += 1
             elapsed = max(time.perf_counter() - start, 1e-9)
             bar.update(1)
-            bar.set_postfix(rows_s=f"{(bar.n - bar.initial) / elapsed:.2f}", tok_s=f"{tokens / elapsed:.1f}")
+            bar.set_postfix(rows_s=f"{rows_done / elapsed:.2f}", tok_s=f"{tokens / elapsed:.1f}")
 
         for b in range(0, len(todo), chunk):
             rows = todo[b: b + chunk]

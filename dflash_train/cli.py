@@ -213,6 +213,8 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
     with output_lock(out, "--output", "train"):  # rank 0 holds it for every rank
         summary = run_training(resolved, out, resume=resume, sources=[config],
                                notify=lambda msg: typer.echo(msg, err=True))
+    if summary.get("nothing_to_do"):
+        return
     if summary and resolved.recipe.eval.enabled:  # rank 0 only: other ranks return no summary
         import torch
 

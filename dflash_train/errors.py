@@ -33,6 +33,18 @@ class TrainingError(DFlashError):
     """Training stopped: the loss, the gradients or the weights are no longer finite."""
 
 
+def is_disk_full(exc: BaseException) -> bool:
+    """A full disk, however the writer says it: an OSError (ENOSPC, EDQUOT), torch.save's stream
+    writer (RuntimeError "unexpected pos" / "file write failed"), safetensors' error (os error 28)."""
+    import errno
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(exc)
+    return any(s in text for s in ("No space left", "unexpected pos", "file write failed", "os error 28",
+                                   "code: 28", "Disk quota exceeded"))
+
+
 def os_error_line(exc: OSError) -> str:
     """One line for a failed file operation: the file, what went wrong, what to do."""
     import errno
@@ -70,7 +82,6 @@ def run_cli(app) -> None:
     is the user's to fix and is rendered the same way, and so is a full disk anywhere; SIGTERM,
     SIGHUP and Ctrl-C clean up (temp folders, locks) and end with one line. Every other exception
     is a bug and keeps its traceback."""
-    import errno
     import signal
     import sys
 
@@ -93,8 +104,14 @@ def run_cli(app) -> None:
               "when run again)", file=sys.stderr)
         raise SystemExit(130) from None
     except OSError as exc:
-        if exc.filename is None and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.filename is None and not is_disk_full(exc):
             raise
         line = os_error_line(exc) if exc.filename is not None else f"the disk is full ({exc.strerror}); free some space"
         print(f"error: {line}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Exception as exc:  # a library's own words for a full disk (torch.save, safetensors)
+        if not is_disk_full(exc):
+            raise
+        print(f"error: the disk is full ({type(exc).__name__}: {str(exc)[:160]}); free some space and run the "
+              "command again", file=sys.stderr)
         raise SystemExit(2) from None

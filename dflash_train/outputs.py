@@ -24,7 +24,6 @@ One command at a time writes an output: see `dflash_train.output_lock`.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_train.errors import OutputError
+from dflash_train.errors import OutputError, is_disk_full
 
 MARKER = ".dflash-output.json"
 STAMP_KEY = "dflash_output"  # the stamp inside JSON files the toolkit writes
@@ -366,8 +365,8 @@ def folder_output(path: str | Path, flag: str, command: str, *, sources: Iterabl
             if plan.action == OWN and out.is_dir():
                 _carry_foreign(out, tmp)
             write_marker(tmp, command)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        except Exception as exc:
+            if not is_disk_full(exc):
                 raise
             raise disk_full(out, flag, tmp, need_bytes) from None
         if plan.action == REPLACE and folder_stamp(out) is None:
@@ -405,9 +404,11 @@ def disk_full(out: Path, flag: str, partial: Path | None = None, need_bytes: int
     where = _nearest_existing(Path(os.path.abspath(out)))
     free = shutil.disk_usage(where).free
     need = max(need_bytes, written)
-    return OutputError(f"{flag} {out}: the disk filled while writing it ({_size(written)} written, {_size(free)} free "
-                       f"now; it needs at least {_size(need)} more); nothing was kept. Free space or choose another "
-                       "location, and run the command again")
+    vfs = os.statvfs(where)
+    files_left = "" if vfs.f_files == 0 or vfs.f_favail > 16 else f", {vfs.f_favail} free inodes (files)"
+    return OutputError(f"{flag} {out}: the disk filled while writing it ({_size(written)} written; {_size(free)} "
+                       f"free now{files_left}; it needs at least {_size(need)}); nothing was kept. Free space or "
+                       "choose another location, and run the command again")
 
 
 def discard_folder(path: str | Path) -> bool:

@@ -188,9 +188,11 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     manifest["shards"] = _resumable_shards(out, manifest)
     if manifest["complete"]:
         return out
-    ensure_folder(plan, "features")
     left = manifest["num_tokens"] - sum(s["tokens"] for s in manifest["shards"])
-    check_writable(out, "--output", left * bytes_per_token(manifest["feature_dim"], dtype, topk), inside=True)
+    need = left * bytes_per_token(manifest["feature_dim"], dtype, topk)
+    # the room check comes before the folder is made: a refusal leaves nothing behind
+    check_writable(out, "--output", need, inside=out.is_dir())
+    ensure_folder(plan, "features")
     for stale in out.glob(".shard-*.tmp"):
         stale.unlink()
     done = {s["file"] for s in manifest["shards"]}

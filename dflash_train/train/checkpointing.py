@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from convert.weights import tensor_shapes, write_json
-from dflash_train.errors import CheckpointError
+from dflash_train.errors import CheckpointError, OutputError
 from dflash_train.model.checkpoint import save_drafter
-from dflash_train.outputs import install_folder
+from dflash_train.outputs import install_folder, is_disk_full
 from dflash_train.train.engine import World, all_reduce_sum, barrier, gathered_params
 
 STATE = "trainer_state"
@@ -136,15 +136,53 @@ def resume_latest(engine, world: World, output: Path, notify: Callable[[str], No
                           "warnings above); move that folder away and start over, or choose a new --output")
 
 
+def checkpoint_bytes(module, save_dtype: str) -> int:
+    """What one checkpoint takes on disk, at most: the engine's weights and fp32 master copy (4 + 4
+    bytes), Adam's two fp32 moments (8) for every trainable parameter, plus the servable drafter."""
+    saved = {"float32": 4, "bfloat16": 2, "float16": 2}[save_dtype]
+    params = list(module.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return trainable * 16 + sum(p.numel() for p in params) * saved
+
+
 def save_checkpoint(engine, world: World, output: Path, step: int, state: dict, config_yaml: str,
                     keep_last: int, save_dtype: str) -> Path:
+    """Write checkpoint `step` (see the module docstring). A disk without room for it, before or
+    during the write, is an OutputError naming the bytes; the temp folder is removed and every
+    earlier checkpoint stays, so `--resume` continues from the newest one."""
     root = Path(output) / "checkpoints"
-    final = root / step_name(step)
     tmp = root / f".tmp-{step_name(step)}"
+    need = checkpoint_bytes(engine.module, save_dtype)
     if world.is_main:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+    free = shutil.disk_usage(root.parent if not root.is_dir() else root).free
+    if free < need:
+        raise OutputError(f"--output {output}: checkpoint {step_name(step)} needs about {need / 1e6:.1f} MB but only "
+                          f"{free / 1e6:.1f} MB are free; free space and run again with --resume (it continues from "
+                          "the newest checkpoint)")
+    try:
+        return _save_checkpoint(engine, world, output, step, state, config_yaml, keep_last, save_dtype)
+    except OutputError:  # the drafter's own write found the disk full: same cleanup
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(root).free
+        raise OutputError(f"--output {output}: the disk filled while saving checkpoint {step_name(step)} (it needs "
+                          f"about {need / 1e6:.1f} MB, {free / 1e6:.1f} MB are free now); the partial checkpoint was "
+                          "removed. Free space and run again with --resume (it continues from the newest "
+                          "checkpoint)") from None
+
+
+def _save_checkpoint(engine, world: World, output: Path, step: int, state: dict, config_yaml: str,
+                     keep_last: int, save_dtype: str) -> Path:
+    root = Path(output) / "checkpoints"
+    final = root / step_name(step)
+    tmp = root / f".tmp-{step_name(step)}"
     barrier()
     with gathered_params(engine):
         if world.is_main:

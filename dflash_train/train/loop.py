@@ -14,6 +14,7 @@ saved. An out-of-memory error in a step becomes a ConfigError naming the micro-b
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import warnings
@@ -190,6 +191,10 @@ def _check_output(output: Path, resolved: ResolvedRecipe, resume: str | None, so
                           "--output (nothing was overwritten)")
     whole, damaged = ckpt.usable_checkpoints(output)
     if whole:
+        step = int(whole[0].name[5:])
+        limit = resolved.recipe.optim.max_steps
+        if limit is not None and step > limit:
+            raise ConfigError(past_the_end(output, step, limit))
         return
     if damaged:
         folder, why = damaged[0]
@@ -198,6 +203,27 @@ def _check_output(output: Path, resolved: ResolvedRecipe, resume: str | None, so
     if resume == "must":
         raise ConfigError(f"--resume: {output} has no checkpoint to resume from; pass --resume auto to start this "
                           "run over in it, or choose a new --output")
+
+
+def past_the_end(output: Path, step: int, total: int) -> str:
+    return (f"--resume: the run in {output} is already at step {step}, past this recipe's last step {total} "
+            "(optim.max_steps / --max-steps, or fewer epochs); nothing was changed. Pass a --max-steps above "
+            f"{step} to train on, or use {output / 'final'}")
+
+
+def _finished(output: Path, step: int, total: int, notify) -> dict | None:
+    """The summary of a run that already ended at `total` (its final/ and summary.json written), else None."""
+    summary_file, final = output / "summary.json", output / "final" / "config.json"
+    if step != total or not (summary_file.is_file() and final.is_file()):
+        return None
+    try:
+        summary = json.loads(summary_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != total:
+        return None
+    notify(f"the run in {output} already finished at step {total}; nothing to do (its drafter: {output / 'final'})")
+    return {**summary, "nothing_to_do": True}
 
 
 def _space_needed(drafter, recipe: TrainRecipe) -> int:
@@ -319,6 +345,12 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     state = {"step": 0, "tokens": 0, "positions": 0, "history": []}
     if resume and ckpt.step_folders(output):
         state = ckpt.resume_latest(engine, world, output, notify if world.is_main else (lambda msg: None))
+        if state["step"] > plan.total:  # nothing written yet: the run folder stays as it was
+            raise ConfigError(past_the_end(output, state["step"], plan.total))
+        done_before = _finished(output, state["step"], plan.total, notify if world.is_main else (lambda msg: None))
+        if done_before is not None:
+            barrier()
+            return done_before if world.is_main else {}
     config_yaml = resolved.to_yaml()
     if world.is_main:
         is_run = (output / "resolved_config.yaml").is_file()

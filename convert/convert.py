@@ -113,7 +113,7 @@ def verifier_architectures(name_or_path: str | None) -> list[str] | None:
         return None
     try:
         return list(json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []) or None
-    except ValueError:
+    except (OSError, ValueError, AttributeError, TypeError):  # an unreadable or odd target config: not known
         return None
 
 

@@ -22,6 +22,7 @@ from dflash_train.errors import CheckpointError, DFlashError
 from dflash_train.model.modeling_dflash import expected_shapes
 
 from . import formats
+from .formats import schema
 from .rules import RULES, Fail, Warn
 from .stream import TensorRef, read_header
 from .weights import INDEX_FILE, weight_files
@@ -333,6 +334,12 @@ def validate_folder(folder: str | Path, target: str | None = None, use_target: b
         return report
     report.format = module.NAME
     report.add("config_json", None)
+    try:
+        schema.check(schema.SpeculatorsFile if module is formats.speculators else schema.ZlabFile, raw, "config.json")
+    except DFlashError as exc:  # the rules below read these fields: judged only on a well-typed file
+        report.add("config_schema", Fail(str(exc)))
+        return report
+    report.add("config_schema", None)
     for rule in RULES[module.NAME]:
         report.add(rule.__name__, rule(raw))
     try:

@@ -53,7 +53,14 @@ def serve(
     if draft_attention_backend and draft_attention_backend.upper() not in NON_CAUSAL_BACKENDS:
         raise ConfigError(f"--draft-attention-backend {draft_attention_backend}: DFlash needs non-causal "
                           f"attention; choose one of {', '.join(NON_CAUSAL_BACKENDS)}")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port {port}: not a TCP port; choose one from 1 to 65535 (default 8000)")
     drafter = detect_drafter(checkpoint, target=target)
+    if engine == "sglang" and drafter.config.reduced_vocab:
+        raise ConfigError(f"--engine sglang: {drafter.location} has a reduced draft vocabulary (draft_vocab_size "
+                          f"{drafter.config.draft_vocab_size} < {drafter.config.vocab_size}), which SGLang cannot "
+                          "read (no d2t/t2d); serve it with --engine vllm, or make a full-vocabulary copy with "
+                          "`dflash-convert to-zlab --expand-vocab`")
     opts = ServeOptions(engine=engine, target=target, host=host, port=port, served_model_name=served_model_name,
                         draft_attention_backend=draft_attention_backend.upper() if draft_attention_backend else None,
                         python=engine_python(engine, python), extra_args=list(extra_args or []))

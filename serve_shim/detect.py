@@ -61,7 +61,9 @@ def _from_folder(folder: Path, found: str, target: str | None) -> Drafter:
     module = detect_format(folder)  # raises CheckpointError naming what config.json holds
     weight_files(folder)  # a drafter without weights cannot be served
     config = module.read_config(folder)
-    check_drafter(folder, config, what="CHECKPOINT", target=target)  # validate's checks: whole, shaped, finite
+    # validate's checks (whole, shaped, finite), and against the target the engine will load: --target, else the
+    # drafter's verifier, wherever either is found without a network
+    check_drafter(folder, config, what="CHECKPOINT", target=target or config.verifier_name_or_path)
     return Drafter(location=str(folder.resolve()), is_hub_id=False, format=module.NAME, config=config, found=found)
 
 

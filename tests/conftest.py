@@ -76,7 +76,8 @@ def train_prepared(tmp_path_factory, train_tiny_target):
 def make_tiny_drafter(tmp_path, tiny_config):
     """serve_shim: factory writing a real tiny drafter folder (safetensors + config) in either format.
 
-    make_tiny_drafter(path, fmt="speculators"|"zlab", verifier="ORG/NAME"|None|"/folder", block_size=8)
+    make_tiny_drafter(path, fmt="speculators"|"zlab", verifier="ORG/NAME"|None|"/folder", block_size=8); the default
+    verifier is a hub id found nowhere here, so no target check applies to its tiny shapes
     """
     import json
 
@@ -84,7 +85,7 @@ def make_tiny_drafter(tmp_path, tiny_config):
     from dflash_train.model.checkpoint import save_drafter
     from dflash_train.model.modeling_dflash import DFlashDraftModel
 
-    def make(path, fmt="speculators", verifier="HuggingFaceTB/SmolLM2-135M-Instruct", block_size=8):
+    def make(path, fmt="speculators", verifier="org/tiny-target", block_size=8):
         cfg = tiny_config.model_copy(update={"verifier_name_or_path": verifier, "block_size": block_size})
         out = save_drafter(DFlashDraftModel(cfg), tmp_path / path)
         if fmt == "zlab":

@@ -9,6 +9,7 @@ from types import ModuleType
 from dflash_train.errors import CheckpointError
 
 from . import speculators, zlab
+from .schema import require_object
 
 FORMATS: dict[str, ModuleType] = {speculators.NAME: speculators, zlab.NAME: zlab}
 
@@ -18,9 +19,13 @@ def read_config_json(folder: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{folder}: no config.json; not a drafter checkpoint folder")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except ValueError as exc:
         raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text ({exc.reason}); restore it or convert the drafter again") from exc
+    require_object(raw, str(path))
+    return raw
 
 
 def detect_format(folder: Path) -> ModuleType:

@@ -12,6 +12,7 @@ from typing import Any
 from dflash_train.errors import CheckpointError
 from dflash_train.model.config import DFlashConfig
 
+from . import schema
 from .body import body_config, body_fields
 
 NAME = "speculators"
@@ -68,6 +69,7 @@ def _require(d: dict[str, Any], key: str, where: str):
 
 
 def from_config_dict(d: dict[str, Any], where: str = "config.json") -> DFlashConfig:
+    schema.check(schema.SpeculatorsFile, d, where)
     body = _require(d, "transformer_layer_config", where)
     spec = _require(d, "speculators_config", where)
     methods = spec.get("proposal_methods") or [{}]

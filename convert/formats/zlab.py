@@ -13,6 +13,7 @@ from dflash_train.errors import CheckpointError
 from dflash_train.features.layer_ids import aux_to_target, target_to_aux
 from dflash_train.model.config import DFlashConfig
 
+from . import schema
 from .body import body_config, body_fields
 
 NAME = "zlab"
@@ -60,6 +61,7 @@ def _lookup(d: dict[str, Any], key: str):
 
 
 def from_config_dict(d: dict[str, Any], where: str = "config.json", mask_token_id: int | None = None) -> DFlashConfig:
+    schema.check(schema.ZlabFile, d, where)
     target_ids = _lookup(d, "target_layer_ids")
     if target_ids is None:
         raise CheckpointError(f"{where}: missing `dflash_config.target_layer_ids`")

@@ -9,7 +9,7 @@ from serve_shim.command import ServeOptions, flag_value, sglang_command, vllm_co
 from serve_shim.detect import detect_drafter
 
 PY = "/venv/bin/python"
-HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
+HUB = "org/tiny-target"  # the tiny drafters' verifier (conftest.make_tiny_drafter)
 CPU_HEAD = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model"]
 GPU_HEAD = [PY, "-m", "vllm.entrypoints.cli.main", "serve"]
 KV = ["--kv-cache-memory-bytes", str(1 << 30)]

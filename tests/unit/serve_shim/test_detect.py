@@ -15,7 +15,7 @@ def test_speculators_folder(make_tiny_drafter):
     folder = make_tiny_drafter("spec", block_size=6)
     d = detect_drafter(str(folder))
     assert (d.format, d.is_hub_id, d.location) == ("speculators", False, str(folder.resolve()))
-    assert d.block_size == 6 and d.verifier == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert d.block_size == 6 and d.verifier == "org/tiny-target"
     assert d.config.aux_hidden_state_layer_ids == [2, 4, 6]
 
 
@@ -122,3 +122,12 @@ def test_an_explicit_target_found_locally_is_checked(make_tiny_drafter, tmp_path
     with pytest.raises(CheckpointError, match=f"target_hidden_size 64 differs from the target's hidden_size 576 "
                                               f"\\({smollm2_path}\\)"):
         detect_drafter(str(folder), target=str(smollm2_path))
+
+
+def test_the_drafters_own_verifier_is_checked_when_no_target_is_given(make_tiny_drafter, smollm2_path):
+    # vLLM loads the verifier named in the drafter when --target is left out: a drafter that names the
+    # embedded SmolLM2 (found here) but has hidden 64 is refused before any engine starts
+    folder = make_tiny_drafter("spec", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(CheckpointError, match="target_hidden_size 64 differs from the target's hidden_size 576"):
+        detect_drafter(str(folder))
+    assert detect_drafter(str(make_tiny_drafter("other", verifier="org/not-cached"))).block_size == 8

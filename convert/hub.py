@@ -152,7 +152,9 @@ def plan_push(folder: str | Path, repo_id: str, *, private: bool = False, revisi
 
 def check_token_env(token_env: str) -> None:
     """`--token-env` names a variable; a value that looks like a token itself is refused unseen."""
-    looks_like_token = token_env.startswith("hf_") and len(token_env) > 20
+    # a hub token is `hf_` and mixed-case letters and digits; a variable name is not (HF_TOKEN, hf_token)
+    looks_like_token = (token_env.startswith("hf_") and re.search(r"[A-Z0-9]", token_env[3:]) is not None) \
+        or len(token_env) > 64
     if looks_like_token or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", token_env):
         raise ConfigError("--token-env takes the NAME of the environment variable that holds the token (e.g. "
                           "HF_TOKEN), not the token; the value given is not shown. Run `export HF_TOKEN=...` "

@@ -25,6 +25,20 @@ SUMMARY_FILE = "prepare_summary.json"
 REQUIRED_COLUMNS = ("input_ids", "loss_mask", "messages")
 
 
+def warn_past_context(max_length: int, target_path: str) -> None:
+    """--max-length above the target's context: rows past it would train on positions the target never
+    saw (its features there mean nothing). Said once on stderr, naming the target's context."""
+    import sys
+
+    from dflash_train.features.target import load_target_config
+
+    context = getattr(load_target_config(target_path).get_text_config(), "max_position_embeddings", None)
+    if isinstance(context, int) and max_length > context:
+        print(f"warning: --max-length {max_length} is above the target's context of {context} tokens "
+              f"(max_position_embeddings of {target_path}); rows longer than {context} tokens would go past it. "
+              f"Pass --max-length {context} or less", file=sys.stderr)
+
+
 def prepare_dataset(target: str | None, source: str | Sequence[str], output: str | Path,
                     max_samples: int | None = None, max_length: int = 2048, split: str | None = None,
                     subset: str | None = None, max_turns: int | None = None, overwrite: bool = False,
@@ -56,6 +70,7 @@ def prepare_dataset(target: str | None, source: str | Sequence[str], output: str
         return cached
     sources = [*names, target]
     plan_output(output, "--output", sources=sources, overwrite=overwrite)
+    warn_past_context(max_length, target_path)
     tokenizer = load_tokenizer(target_path)
     conversations, row_labels = [], []
     for i, name in enumerate(names):

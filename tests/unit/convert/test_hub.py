@@ -76,7 +76,7 @@ def test_missing_token_is_an_error_without_leaking(run, monkeypatch, tmp_path):
         push(plan, endpoint="http://127.0.0.1:9")
 
 
-@pytest.mark.parametrize("value", [TOKEN, "hf_" + "a1B2" * 9, "my token", "$HF_TOKEN", "HF-TOKEN"])
+@pytest.mark.parametrize("value", [TOKEN, "hf_" + "a1B2" * 9, "hf_Ab12", "hf_x9", "my token", "$HF_TOKEN", "HF-TOKEN"])
 def test_a_token_given_as_the_variable_name_is_refused_unseen(run, value):
     from convert.hub import check_token_env
 

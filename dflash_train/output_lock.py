@@ -85,10 +85,12 @@ def output_lock(path: str | Path | None, flag: str, command: str) -> Iterator[No
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
+                fd = None  # not ours: the owner's lock file stays
                 raise OutputError(f"{flag} {path}: another command is writing it ({_owner(lock)}); wait for it to "
                                   f"finish or stop it, then retry (lock: {lock})") from None
             except OSError:  # no flock on this filesystem: the pid in the file decides
                 os.close(fd)
+                fd = None
                 fd = _exclusive_lock(lock, flag, path)
                 break
             try:

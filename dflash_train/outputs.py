@@ -362,9 +362,9 @@ def folder_output(path: str | Path, flag: str, command: str, *, sources: Iterabl
     try:
         try:
             yield tmp
+            write_marker(tmp, command)  # lists the files written: what others added is carried after it
             if plan.action == OWN and out.is_dir():
                 _carry_foreign(out, tmp)
-            write_marker(tmp, command)
         except Exception as exc:
             if not is_disk_full(exc):
                 raise

@@ -286,3 +286,148 @@ def test_a_complete_own_output_may_be_read_only(unwritable_dir):
     assert plan_output(unwritable_dir, "--output", own=True, writable=False).action == o.OWN
     with pytest.raises(OutputError, match="cannot write in"):
         plan_output(unwritable_dir, "--output", own=True)
+
+
+# ---- --overwrite replaces only what the toolkit wrote (issue 26) ---------------------------
+
+def test_the_marker_lists_the_files_the_toolkit_wrote(tmp_path):
+    out = toolkit_folder(tmp_path / "rows")
+    (out / "sub").mkdir()
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["files"] == ["data.bin"] and "in_place" not in marker
+    assert o.foreign_files(out) == []
+
+
+def test_overwrite_refuses_a_folder_holding_files_the_user_added(tmp_path):
+    out = toolkit_folder(tmp_path / "rows")
+    (out / "analysis.ipynb").write_text("{}")
+    (out / "notes").mkdir()
+    (out / "notes" / "todo.md").write_text("keep")
+    before = tree(tmp_path)
+    with pytest.raises(OutputError, match=r"--output .*rows: holds files the toolkit did not write there "
+                                          r"\(analysis.ipynb, notes/todo.md\); --overwrite replaces only"):
+        with folder_output(out, "--output", "prepare", overwrite=True) as tmp:
+            (tmp / "data.bin").write_bytes(b"new")
+    assert tree(tmp_path) == before
+    (out / "analysis.ipynb").unlink()
+    (out / "notes" / "todo.md").unlink()
+    with folder_output(out, "--output", "prepare", overwrite=True) as tmp:  # only its own files: replaced
+        (tmp / "data.bin").write_bytes(b"new")
+    assert (out / "data.bin").read_bytes() == b"new" and not (out / "notes").exists()
+
+
+def test_a_marker_without_a_file_list_judges_by_age(tmp_path):
+    # outputs written before the file list existed: a file newer than the marker was added afterwards
+    out = toolkit_folder(tmp_path / "old")
+    marker = json.loads((out / MARKER).read_text())
+    del marker["files"]
+    (out / MARKER).write_text(json.dumps(marker))
+    old = (out / MARKER).stat().st_mtime - 60
+    os.utime(out / MARKER, (old, old))
+    os.utime(out / "data.bin", (old - 1, old - 1))
+    assert o.foreign_files(out) == []
+    (out / "mine.txt").write_text("added later")
+    assert o.foreign_files(out) == ["mine.txt"]
+    with pytest.raises(OutputError, match=r"did not write there \(mine.txt\)"):
+        plan_output(out, "--output", overwrite=True)
+
+
+@pytest.mark.parametrize("command", ["train", "features", "demo", "sweep"])
+def test_overwrite_never_replaces_a_folder_grown_in_place(tmp_path, command):
+    run = tmp_path / "run"
+    o.ensure_folder(plan_output(run, "--output", overwrite=None), command)
+    (run / "summary.json").write_text("{}")
+    assert json.loads((run / MARKER).read_text())["in_place"] is True
+    with pytest.raises(OutputError, match=f"OUT {run}: holds an earlier dflash-toolkit output \\({command}, .*"
+                                          "grows in place; --overwrite never replaces it"):
+        plan_output(run, "OUT", overwrite=True)
+
+
+def test_a_command_rewriting_its_own_folder_keeps_what_others_added(tmp_path):
+    final = toolkit_folder(tmp_path / "final", "train")
+    (final / "README.md").write_text("my model card")
+    with folder_output(final, "--output", "train", own=True) as tmp:
+        (tmp / "data.bin").write_bytes(b"resumed")
+    assert (final / "data.bin").read_bytes() == b"resumed" and (final / "README.md").read_text() == "my model card"
+    assert json.loads((final / MARKER).read_text())["files"] == ["data.bin"]  # the card is still not the toolkit's
+
+
+def test_a_disk_that_fills_mid_write_is_one_error_and_leaves_nothing(tmp_path):
+    import errno
+
+    def write_until_full(tmp):
+        (tmp / "part.bin").write_bytes(b"x" * 5000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OutputError, match=r"--output .*rows: the disk filled while writing it \(5.0 KB written; "
+                                          r".* free now; it needs at least 1.0 MB\); nothing was kept"):
+        with folder_output(tmp_path / "rows", "--output", "prepare", need_bytes=10**6) as tmp:
+            write_until_full(tmp)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("message", ["[enforce fail at inline_container.cc:664] . unexpected pos 6528 vs 6416",
+                                     "Error while serializing: IoError(Os { code: 28, kind: StorageFull })"])
+def test_libraries_report_a_full_disk_in_their_own_words(message):
+    from dflash_train.errors import is_disk_full
+
+    assert is_disk_full(RuntimeError(message)) and not is_disk_full(RuntimeError("shape mismatch"))
+
+
+# ---- one writer per output ----------------------------------------------------------------
+
+HOLD = """
+import sys, time
+from dflash_train.output_lock import output_lock
+with output_lock(sys.argv[1], "--output", "train"):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_second_writer_is_refused_naming_the_owner(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from dflash_train.output_lock import lock_path, output_lock
+
+    out = tmp_path / "runs" / "r1"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(OutputError, match=f"--output {out}: another command is writing it \\(train, pid "
+                                              f"{holder.pid} on {socket.gethostname()}, since .*\\); wait for it"):
+            with output_lock(out, "--output", "prepare"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock_path(out).exists()  # killed: the file stays, but the kernel released the lock
+    with output_lock(out, "--output", "prepare"):  # so it is stale, and taken over
+        assert json.loads(lock_path(out).read_text())["pid"] == os.getpid()
+    assert not lock_path(out).exists()
+    fresh = tmp_path / "new" / "deeper" / "r2"
+    with output_lock(fresh, "--output", "prepare"):
+        assert lock_path(fresh).is_file()
+    assert not (tmp_path / "new").exists()  # the folders the lock made for itself are gone with it
+
+
+def test_without_flock_a_dead_owners_lock_is_stale(tmp_path, monkeypatch):
+    import fcntl
+    import socket
+
+    from dflash_train.output_lock import lock_path, output_lock
+
+    def no_flock(fd, op):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    out = tmp_path / "rows"
+    lock_path(out).write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname(), "command": "prepare"}))
+    with output_lock(out, "--output", "prepare"):
+        assert json.loads(lock_path(out).read_text())["pid"] == os.getpid()
+        with pytest.raises(OutputError, match=f"another command is writing it \\(prepare, pid {os.getpid()}"):
+            with output_lock(out, "--output", "prepare"):
+                pass
+    assert not lock_path(out).exists()

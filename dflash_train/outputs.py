@@ -386,6 +386,14 @@ def _carry_foreign(out: Path, tmp: Path) -> None:
             shutil.copy2(out / rel, tmp / rel, follow_symlinks=False)
 
 
+def no_room(path: str | Path) -> bool:
+    """The disk holding `path` is full now: under 1 MiB free, or no free inodes (files) left. Right after a
+    failed write, that makes the failure a full disk whatever words the writer used (DeepSpeed's lost mkdir
+    reaches torch as "Parent directory ... does not exist")."""
+    vfs = os.statvfs(_nearest_existing(Path(os.path.abspath(path))))
+    return (vfs.f_files > 0 and vfs.f_favail == 0) or vfs.f_bavail * vfs.f_frsize < (1 << 20)
+
+
 def folder_size(path: str | Path) -> int:
     total = 0
     for root, _, files in os.walk(path):

@@ -30,7 +30,7 @@ import torch
 from convert.weights import tensor_shapes, write_json
 from dflash_train.errors import CheckpointError, OutputError
 from dflash_train.model.checkpoint import save_drafter
-from dflash_train.outputs import install_folder, is_disk_full
+from dflash_train.outputs import install_folder, is_disk_full, no_room
 from dflash_train.train.engine import World, all_reduce_sum, barrier, gathered_params
 
 STATE = "trainer_state"
@@ -168,7 +168,7 @@ def save_checkpoint(engine, world: World, output: Path, step: int, state: dict, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     except Exception as exc:
-        if not is_disk_full(exc):
+        if not (is_disk_full(exc) or no_room(root)):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(root).free

@@ -212,7 +212,7 @@ def test_prepare_on_a_disk_that_fills_mid_write(small_disk):
 
 @pytest.mark.slow
 def test_a_checkpoint_that_fills_the_disk_then_resume(small_disk, recipe):
-    disk = small_disk("200m", 40)  # room for the bytes of every checkpoint, not for the files of the second
+    disk = small_disk("400m", 24)  # room for the bytes of every checkpoint, not for the files of the second
     out = disk / "run"
     failed = cli("dflash-train", "train", "--config", recipe, "--output", out, "--max-steps", "3")
     line = refused(failed, f"--output {out}: the disk filled while saving checkpoint step-", "MB",
@@ -220,7 +220,7 @@ def test_a_checkpoint_that_fills_the_disk_then_resume(small_disk, recipe):
     assert "partial checkpoint was removed" in line
     assert not list((out / "checkpoints").glob(".tmp-*"))
     saved = [p.name for p in (out / "checkpoints").iterdir()]
-    small_disk("200m", 2000, remount=True)
+    small_disk("400m", 2000, remount=True)
     done = cli("dflash-train", "train", "--config", recipe, "--output", out, "--max-steps", "3", "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
     if saved:

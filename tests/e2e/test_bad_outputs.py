@@ -274,3 +274,21 @@ def test_every_checkpoint_damaged_is_a_clear_error(auto_run, tmp_path, recipe):
         refused(train(recipe, out, *mode), "--resume: every checkpoint in", str(out / "checkpoints"),
                 "state.json is unreadable")
     assert tree(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_resume_past_the_runs_last_step_changes_nothing(auto_run, tmp_path, recipe):
+    src, res = auto_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / "run"
+    shutil.copytree(src, out)
+    before = tree(tmp_path)
+    proc = cli("dflash-train", "train", "--config", recipe, "--output", out, "--max-steps", "1", "--resume")
+    refused(proc, f"--resume: the run in {out} is already at step 2, past this recipe's last step 1",
+            "nothing was changed", "--max-steps above 2")
+    assert tree(tmp_path) == before
+    # at its last step already: nothing to do, said so, nothing rewritten
+    done = train(recipe, out, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"the run in {out} already finished at step 2; nothing to do" in done.stderr
+    assert tree(tmp_path) == before

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,11 +49,12 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def output_lock(path: str | Path | None, flag: str, command: str) -> Iterator[None]:
+def output_lock(path: str | Path | None, flag: str, command: str, *, wait: bool = False) -> Iterator[None]:
     """Hold the lock on output `path` for the block: a second command on it is refused at once with an
-    OutputError naming the owner (pid, host, command). Ranks other than 0 of a distributed launch take
-    no lock (rank 0 holds it for the run). Where no lock file can be made (a read-only place) the
-    command's own checks give the error, so no lock is taken."""
+    OutputError naming the owner (pid, host, command), or with `wait` (a shared cache entry, which the
+    owner is building for both) waits for it, saying so once on stderr. Ranks other than 0 of a
+    distributed launch take no lock (rank 0 holds it for the run). Where no lock file can be made (a
+    read-only place) the command's own checks give the error, so no lock is taken."""
     import fcntl
     import socket
 
@@ -77,6 +79,7 @@ def output_lock(path: str | Path | None, flag: str, command: str) -> Iterator[No
             return
         while fd is None:
             try:
+                lock.parent.mkdir(parents=True, exist_ok=True)  # again: a previous owner may have removed it
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError:
                 yield  # no lock file possible here: the command's own write checks refuse it
@@ -84,10 +87,14 @@ def output_lock(path: str | Path | None, flag: str, command: str) -> Iterator[No
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)
-                fd = None  # not ours: the owner's lock file stays
-                raise OutputError(f"{flag} {path}: another command is writing it ({_owner(lock)}); wait for it to "
-                                  f"finish or stop it, then retry (lock: {lock})") from None
+                if wait:
+                    print(f"{flag} {path}: waiting for {_owner(lock)} to finish writing it", file=sys.stderr)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                else:
+                    os.close(fd)
+                    fd = None  # not ours: the owner's lock file stays
+                    raise OutputError(f"{flag} {path}: another command is writing it ({_owner(lock)}); wait for it "
+                                      f"to finish or stop it, then retry (lock: {lock})") from None
             except OSError:  # no flock on this filesystem: the pid in the file decides
                 os.close(fd)
                 fd = None

@@ -69,7 +69,10 @@ def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
     mixed = data_cache_root(data, target_path) / "mixed"
     inputs = {"command": "combine", "target": target_path,
               "parts": [{"path": str(p), "fingerprint": load_rows(p)._fingerprint} for p in parts]}
-    combine_prepared(parts, mixed, inputs)
+    from dflash_train.output_lock import output_lock
+
+    with output_lock(mixed, "the data cache", "train", wait=True):
+        combine_prepared(parts, mixed, inputs)
     return mixed
 
 
@@ -83,6 +86,16 @@ def _source_rows(data: DataConfig, target_path: str, seed: int, source: str, max
                  split: str | None, subset: str | None, label: str | None, root: Path,
                  generators=None) -> Path:
     """One source prepared (and regenerated) under `root`, with engines from `generators` when given."""
+    from dflash_train.output_lock import output_lock
+
+    # two runs sharing the cache build an entry once: the second waits, then finds it complete
+    with output_lock(root, "the data cache", "train", wait=True):
+        return _build_source_rows(data, target_path, seed, source, max_samples, split, subset, label, root,
+                                  generators)
+
+
+def _build_source_rows(data: DataConfig, target_path: str, seed: int, source: str, max_samples: int | None,
+                       split: str | None, subset: str | None, label: str | None, root: Path, generators) -> Path:
     from dflash_train.data.prepare import prepare_dataset
 
     prepared = root / "prepared"
@@ -283,7 +296,11 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
         if not greedy and not topk and not cache_complete(path):
             path = lean  # a complete cache with greedy tokens serves dataset labels too; else a lean one
         if not cache_complete(path):  # missing, or left incomplete by an interrupted run: (re)write resumes it
-            write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk,
-                                target_dtype=compute, greedy=path != lean)
+            from dflash_train.output_lock import output_lock
+
+            with output_lock(path, "the feature cache", "train", wait=True):  # another run may be writing it
+                if not cache_complete(path):
+                    write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk,
+                                        target_dtype=compute, greedy=path != lean)
     return FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk,
                         target_dtype=compute if data.target_dtype != "auto" else None, greedy=greedy)

@@ -431,3 +431,23 @@ def test_without_flock_a_dead_owners_lock_is_stale(tmp_path, monkeypatch):
             with output_lock(out, "--output", "prepare"):
                 pass
     assert not lock_path(out).exists()
+
+
+def test_a_shared_cache_entry_waits_for_its_builder(tmp_path, capsys):
+    import subprocess
+    import sys
+    import time
+
+    from dflash_train.output_lock import lock_path, output_lock
+
+    entry = tmp_path / "cache" / "abc123"
+    hold = HOLD.replace("time.sleep(60)", "time.sleep(2)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(entry)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    started = time.monotonic()
+    with output_lock(entry, "the data cache", "train", wait=True):
+        waited = time.monotonic() - started  # the builder held it ~2 s
+        assert json.loads(lock_path(entry).read_text())["pid"] == os.getpid()
+    holder.wait()
+    assert waited > 1.0 and not lock_path(entry).exists()
+    assert f"the data cache {entry}: waiting for train, pid {holder.pid}" in capsys.readouterr().err

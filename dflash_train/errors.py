@@ -58,7 +58,7 @@ def os_error_line(exc: OSError) -> str:
 
 
 class Stopped(BaseException):
-    """SIGTERM or SIGHUP arrived: raised in the main thread so every `finally` (temp folders, locks,
+    """SIGTERM, SIGHUP or Ctrl-C (SIGINT) arrived: raised in the main thread so every `finally` (temp folders, locks,
     engine workers) runs, as it does for Ctrl-C. A BaseException, so no `except Exception` eats it."""
 
     def __init__(self, signum: int):
@@ -80,14 +80,15 @@ def run_cli(app) -> None:
 
     An OSError that names a file (permissions, a full disk, a folder where a file was expected)
     is the user's to fix and is rendered the same way, and so is a full disk anywhere; SIGTERM,
-    SIGHUP and Ctrl-C clean up (temp folders, locks) and end with one line. Every other exception
+    SIGHUP and Ctrl-C clean up (temp folders, locks) and end with one line and exit 128 + the signal. Every other exception
     is a bug and keeps its traceback."""
     import signal
     import sys
 
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         try:
-            signal.signal(signum, _stop)
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored
+                signal.signal(signum, _stop)
         except (ValueError, OSError):  # not the main thread (an embedding caller): leave theirs
             pass
     try:
@@ -99,10 +100,6 @@ def run_cli(app) -> None:
         print(f"error: stopped by {exc}; temporary files were removed (a resumable command continues where it "
               "stopped when run again)", file=sys.stderr)
         raise SystemExit(128 + exc.signum) from None
-    except KeyboardInterrupt:
-        print("error: interrupted; temporary files were removed (a resumable command continues where it stopped "
-              "when run again)", file=sys.stderr)
-        raise SystemExit(130) from None
     except OSError as exc:
         if exc.filename is None and not is_disk_full(exc):
             raise

@@ -52,3 +52,44 @@ def test_a_real_file_error_from_the_os(tmp_path, capsys):
 def test_bugs_and_nameless_os_errors_keep_their_traceback(exc):
     with pytest.raises(type(exc)):
         run_cli(_raising(exc))
+
+
+SIGNALLED = """
+import os, signal, sys, tempfile
+from pathlib import Path
+from dflash_train.errors import run_cli
+if sys.argv[2] == "ignore":
+    signal.signal(getattr(signal, sys.argv[1]), signal.SIG_IGN)  # as nohup leaves SIGHUP
+scratch = Path(tempfile.mkdtemp(prefix=".tmp-signal-"))
+def app():
+    try:
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        print("survived", flush=True)
+    finally:
+        scratch.rmdir()  # what a command's `finally` cleans up
+        print("cleaned", flush=True)
+run_cli(app)
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_stop_signal_runs_the_cleanups_and_ends_with_one_line(name):
+    import signal
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SIGNALLED, name, "handle"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 128 + getattr(signal, name)
+    assert done.stdout == "cleaned\n"
+    assert done.stderr == (f"error: stopped by {name}; temporary files were removed (a resumable command continues "
+                           "where it stopped when run again)\n")
+
+
+def test_a_signal_the_caller_ignores_stays_ignored():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SIGNALLED, "SIGHUP", "ignore"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout == "survived\ncleaned\n", done.stderr

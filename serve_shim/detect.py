@@ -14,12 +14,15 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from convert.formats import detect_format, read_config_json
+from convert.rules import RULES, Fail
 from convert.run_folder import newest_run_checkpoint
-from convert.validate import check_drafter
+from convert.validate import check_drafter, refusal
 from convert.weights import weight_files
 from dflash_train.errors import CheckpointError, DFlashError
 from dflash_train.model.config import DFlashConfig
 
+# loader rules the launch itself settles: the verifier is --target or the drafter's, judged with its own advice
+SERVE_DECIDES = ("spec_verifier",)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 EXPECTED = ("a speculators DFlash folder (config.json with `speculators_config`), a z-lab DFlash folder "
             "(config.json with `dflash_config`), a hub id of either, or a training run folder "
@@ -64,6 +67,13 @@ def _from_folder(folder: Path, found: str, target: str | None) -> Drafter:
     # validate's checks (whole, shaped, finite), and against the target the engine will load: --target, else the
     # drafter's verifier, wherever either is found without a network
     check_drafter(folder, config, what="CHECKPOINT", target=target or config.verifier_name_or_path)
+    raw = read_config_json(folder)
+    for rule in RULES[module.NAME]:  # the loader rules `validate` applies: what the engine would refuse
+        if rule.__name__ in SERVE_DECIDES:
+            continue
+        outcome = rule(raw)
+        if isinstance(outcome, Fail):
+            raise refusal(folder, "CHECKPOINT", f"config.json: {outcome.reason}")
     return Drafter(location=str(folder.resolve()), is_hub_id=False, format=module.NAME, config=config, found=found)
 
 

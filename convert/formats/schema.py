@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from dflash_train.errors import CheckpointError
 
 Count = Field(default=None, gt=0)
+# the weight dtypes a drafter is stored in (what vLLM and HF accept for these configs)
+Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 class _Lenient(BaseModel):
@@ -70,8 +72,8 @@ class SpeculatorsFile(_Lenient):
     num_target_layers: StrictInt | None = Count
     sample_from_anchor: StrictBool | None = None
     sliding_window_non_causal: StrictBool | None = None
-    dtype: StrictStr | None = None
-    torch_dtype: StrictStr | None = None
+    dtype: Dtype | None = None
+    torch_dtype: Dtype | None = None
 
 
 class DflashSection(_Lenient):
@@ -89,8 +91,8 @@ class ZlabFile(Body):
     target_hidden_size: StrictInt | None = Count
     num_target_layers: StrictInt | None = Count
     target_model_name_or_path: StrictStr | None = None
-    torch_dtype: StrictStr | None = None
-    dtype: StrictStr | None = None
+    torch_dtype: Dtype | None = None
+    dtype: Dtype | None = None
 
 
 def _field(loc: tuple) -> str:

@@ -34,6 +34,10 @@ def _spec_config_list(c):
     c["speculators_config"] = []
 
 
+def _dtype_float8(c):
+    c["dtype"] = "float8"
+
+
 def _layer_ids_strings(c):
     c["aux_hidden_state_layer_ids"] = ["2", "15", "28"]
 
@@ -43,6 +47,7 @@ SHAPES = {  # what config.json holds -> the words the error must have
     "string": ("drafter", "holds a JSON string ('drafter'), not an object"),
     "block-size": (_block_size_eight, "field `block_size`: input should be a valid integer (got 'eight')"),
     "section-list": (_spec_config_list, "field `speculators_config`: input should be a valid dictionary (got [])"),
+    "dtype": (_dtype_float8, "field `dtype`: input should be 'float32', 'bfloat16' or 'float16' (got 'float8')"),
     "id-strings": (_layer_ids_strings, "field `aux_hidden_state_layer_ids.0`: input should be a valid integer"),
 }
 
@@ -101,6 +106,17 @@ def test_serve_refuses_a_drafter_made_for_another_hidden_size(tmp_path, smollm2_
     proc = run("dflash-serve", drafter, "--dry-run")
     refused(proc, f"CHECKPOINT {drafter}:", "target_hidden_size 64 differs from the target's hidden_size 576")
     assert proc.stdout == "" and tree(tmp_path) == before
+
+
+def test_serve_applies_the_engines_loader_rules(tmp_path):
+    drafter = write_drafter(tmp_path / "d", smollm2_cfg())
+    data = read_config(drafter)
+    data["speculators_config"]["proposal_methods"] = []  # vLLM reads num_speculative_tokens from it
+    write_config(drafter, data)
+    proc = run("dflash-serve", drafter, "--dry-run")
+    refused(proc, f"CHECKPOINT {drafter}: config.json: `speculators_config.proposal_methods` is missing or empty",
+            f"dflash-convert validate {drafter}")
+    assert proc.stdout == ""
 
 
 def test_sglang_refuses_a_reduced_vocabulary(tmp_path):

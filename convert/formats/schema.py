@@ -61,19 +61,24 @@ class SpeculatorsSection(_Lenient):
     verifier: Verifier | None = None
 
 
-class SpeculatorsFile(_Lenient):
-    transformer_layer_config: Body
-    speculators_config: SpeculatorsSection
+class _DraftFields(_Lenient):
+    """What both formats carry at the top level of config.json."""
+
     block_size: StrictInt | None = Count
-    aux_hidden_state_layer_ids: list[StrictInt] | None = None
     mask_token_id: StrictInt | None = Field(default=None, ge=0)
-    draft_vocab_size: StrictInt | None = Count
     target_hidden_size: StrictInt | None = Count
     num_target_layers: StrictInt | None = Count
-    sample_from_anchor: StrictBool | None = None
-    sliding_window_non_causal: StrictBool | None = None
     dtype: Dtype | None = None
     torch_dtype: Dtype | None = None
+
+
+class SpeculatorsFile(_DraftFields):
+    transformer_layer_config: Body
+    speculators_config: SpeculatorsSection
+    aux_hidden_state_layer_ids: list[StrictInt] | None = None
+    draft_vocab_size: StrictInt | None = Count
+    sample_from_anchor: StrictBool | None = None
+    sliding_window_non_causal: StrictBool | None = None
 
 
 class DflashSection(_Lenient):
@@ -83,16 +88,12 @@ class DflashSection(_Lenient):
     block_size: StrictInt | None = Count
 
 
-class ZlabFile(Body):
+class ZlabFile(Body, _DraftFields):
+    """z-lab writes the draft body at the top level, beside its own `dflash_config`."""
+
     dflash_config: DflashSection | None = None
-    block_size: StrictInt | None = Count
     target_layer_ids: list[StrictInt] | None = None
-    mask_token_id: StrictInt | None = Field(default=None, ge=0)
-    target_hidden_size: StrictInt | None = Count
-    num_target_layers: StrictInt | None = Count
     target_model_name_or_path: StrictStr | None = None
-    torch_dtype: Dtype | None = None
-    dtype: Dtype | None = None
 
 
 def _field(loc: tuple) -> str:

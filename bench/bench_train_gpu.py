@@ -96,7 +96,7 @@ def _sync(device: str) -> None:
 def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, device: str) -> dict:
     import torch
 
-    from dflash_train.train.batches import head_weight, microbatch_loss
+    from dflash_train.train.batches import head_rows, microbatch_loss
     from dflash_train.train.loss import auto_logits_chunk
 
     if device == "cpu":  # tiny shapes: with more threads than free cores, thread start-up dominates
@@ -104,7 +104,7 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, mb = build_step(shape, device, dtype)
     model.activation_checkpointing = checkpointing
-    chunk = auto_logits_chunk(head_weight(model).shape[0], device)
+    chunk = auto_logits_chunk(head_rows(model), device)
     weight = mb.weight_sum
 
     def step():

@@ -138,8 +138,21 @@ def compiled_flex():
     return _COMPILED
 
 
+def attention_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The one dtype flex attention gets q, k and v in (the kernel refuses a mix). Under torch.autocast
+    (`engine.precision: bf16-mixed`) q and k leave RMSNorm and RoPE in fp32 while v comes out of its
+    linear layer in bf16: all three take the autocast dtype, as an autocast matmul would. Otherwise
+    they share the weights' dtype already, and v's is kept."""
+    dev = q.device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return v.dtype
+
+
 def flex_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, block_mask, scale: float) -> torch.Tensor:
     """q/k_blk/v_blk [N, H*, B, d], ctx_k/v [Hkv, T, d] (keys/values not repeated for GQA) -> [N, Hq, B, d]."""
+    dtype = attention_dtype(q, v_blk)
+    q, k_blk, v_blk, ctx_k, ctx_v = (x.to(dtype) for x in (q, k_blk, v_blk, ctx_k, ctx_v))
     n, h, b, d = q.shape
     hkv, t = ctx_k.shape[0], ctx_k.shape[1]
     q_pad, kv_len = block_mask.seq_lengths

@@ -26,7 +26,7 @@ from dflash_train.data.packing import plan_microbatches
 from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.train import checkpointing as ckpt
 from dflash_train.train.anchors import anchor_candidates
-from dflash_train.train.batches import build_microbatch, head_weight, microbatch_loss
+from dflash_train.train.batches import build_microbatch, head_rows, microbatch_loss
 from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, step_kernels
 from dflash_train.train.documents import (
     DocumentSource,
@@ -314,7 +314,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     drafter.activation_checkpointing = recipe.engine.activation_checkpointing
     engine, scheduler = build_engine(drafter, recipe, plan.total)
     engine.module.attach_target(target_model)
-    kernels = step_kernels(recipe, world.device, head_weight(engine.module).shape[0])
+    kernels = step_kernels(recipe, world.device, head_rows(engine.module))
 
     state = {"step": 0, "tokens": 0, "positions": 0, "history": []}
     if resume and ckpt.step_folders(output):

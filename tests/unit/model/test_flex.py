@@ -119,6 +119,37 @@ def test_compiled_flex_forward_equals_dense_and_compiles_once_per_bucket(tiny_co
     assert compiled == [2, 2, 2, 4]
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_flex_gets_q_k_v_in_one_dtype_under_bf16_mixed(tiny_config, monkeypatch, autocast):
+    """`engine.precision: bf16-mixed`: fp32 weights, the forward under autocast. q and k leave RMSNorm
+    and RoPE in fp32 while v leaves its linear layer in bf16, a mix the flex kernel refuses; the call
+    gets all three in bf16. Without autocast all stay fp32. (The compiled kernel is replaced by a
+    recorder: torch has no CPU flex backward, and the dtype choice is made before the call.)"""
+    import dflash_train.model.flex as flex
+
+    seen = []
+
+    def kernel(q, k, v, block_mask, scale):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(flex, "compiled_flex", lambda: kernel)
+    model = _model(tiny_config)
+    feats, blocks, layout = _inputs(model, [50, 30], [2, 20, 51, 70])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        attn = model.layers[0].self_attn
+        h = blocks.requires_grad_()
+        cos, sin = model.rotary_emb(layout.block_positions, h.dtype)
+        q, (_, v) = attn.project_queries(h, cos, sin), attn.project_kv(h, cos, sin)
+        out = model.forward_train(feats, h, layout, attention="flex")
+    want = torch.bfloat16 if autocast else torch.float32
+    if autocast:
+        assert (q.dtype, v.dtype) == (torch.float32, torch.bfloat16)  # the mix flex would refuse
+    assert seen == [(want, want, want)] * tiny_config.num_hidden_layers
+    out.float().sum().backward()  # the casts are differentiable: gradients reach the fp32 weights
+    assert model.layers[0].self_attn.o_proj.weight.grad.dtype == torch.float32
+
+
 def test_flex_never_runs_eagerly():
     q = torch.randn(1, 2, 128, 8)
     layout = _layout([100], [3, 50], 4)

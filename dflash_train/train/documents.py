@@ -229,8 +229,10 @@ class DocumentSource:
             batch[j, :len(x)] = x
             attn[j, :len(x)] = 1
         device = next(self._extract.model.parameters()).device
-        out = self._extract(batch.to(device), attention_mask=attn.to(device), with_next_tokens=True,
-                            topk=self.topk)
+        if device.type == "cuda":  # pinned host memory: a copy the GPU runs on its own (no pageable bounce)
+            batch, attn = batch.pin_memory(), attn.pin_memory()
+        out = self._extract(batch.to(device, non_blocking=True), attention_mask=attn.to(device, non_blocking=True),
+                            with_next_tokens=True, topk=self.topk)
         result = {}
         memory = self.mode == "memory"
         store = torch.bfloat16 if memory else out.features.dtype

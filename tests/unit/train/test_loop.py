@@ -252,23 +252,28 @@ def test_bf16_mixed_stays_closer_to_fp32_than_bf16_weights(reference_run, tmp_pa
 
 
 class _EngineOnMeta:
-    """DeepSpeed cannot run on the meta device: the same calls (backward, step) on the bare module."""
+    """DeepSpeed cannot run on the meta device: the same calls (backward, step) on the bare module, with
+    the optimizer step DeepSpeed runs without ZeRO (DeviceAdamW) at the accumulation boundary."""
 
-    def __init__(self, module):
-        self.module, self.steps = module, 0
+    def __init__(self, module, optimizer, grad_accum):
+        self.module, self.optimizer, self.grad_accum, self.steps = module, optimizer, grad_accum, 0
 
     def backward(self, loss, scale_wrt_gas=True):
         loss.backward()
 
     def step(self):
         self.steps += 1
+        if self.steps % self.grad_accum == 0:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
 
 
 @pytest.mark.parametrize("attention, loss", [("split", "ce"), ("dense", "ce"), ("split", "kl")])
 def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attention, loss):
     """The whole step with the drafter on the meta device, where every read of a device value (item,
     float, .cpu(), a boolean-mask index, a data-dependent shape) raises: the statistics, token count
-    and loss scale stay on the device until the loop logs them; kl's top-k teacher too."""
+    and loss scale stay on the device until the loop logs them; kl's top-k teacher too; and the optimizer
+    step after the last micro-batch (fp32 masters, the clip norm, AdamW) reads nothing either."""
     from dflash_train.features.target import load_target
     from dflash_train.model.config import DFlashConfig
     from dflash_train.model.modeling_dflash import DFlashDraftModel
@@ -277,6 +282,7 @@ def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attent
     from dflash_train.train.engine import World
     from dflash_train.train.finite import FiniteGuard
     from dflash_train.train.loop import StepPlan, train_step
+    from dflash_train.train.optimizer import DeviceAdamW
     from dflash_train.train.recipe import load_recipe
 
     recipe = load_recipe(None, base={"data": {"prepared": str(train_prepared), "features": "memory"},
@@ -296,10 +302,15 @@ def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attent
     model.activation_checkpointing = True
     head = target.get_output_embeddings().weight
     model.attach_target_weights(torch.empty(head.shape, device=meta), torch.empty(head.shape, device=meta))
-    engine = _EngineOnMeta(model)
+    model.to(torch.bfloat16)  # engine.precision bf16 without ZeRO: bf16 weights, fp32 masters in the optimizer
+    optimizer = DeviceAdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
+                            fp32_masters=True)
+    engine = _EngineOnMeta(model, optimizer, recipe.batch.grad_accum)
     stats, tokens = train_step(engine, recipe, source, plan, World(0, 1, 0, meta), 0,
                                FiniteGuard(meta, 1e-3, 1.0), StepKernels(attention, 64))
     assert engine.steps == 2 and tokens.device == meta and stats.loss_sum.device == meta
-    assert all(p.grad is not None and p.grad.device == meta for p in model.parameters())
+    # the optimizer stepped (clip norm, AdamW state, masters copied back) and cleared the gradients
+    assert optimizer._global_grad_norm.device == meta and all(p.grad is None for p in model.parameters())
+    assert all(optimizer.state[m]["exp_avg"].device == meta for m in optimizer.masters)
     with pytest.raises((RuntimeError, NotImplementedError)):
         stats.summary()  # the negative control: the loop's log-time read would raise here

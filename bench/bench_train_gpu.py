@@ -98,6 +98,7 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
 
     from dflash_train.train.batches import head_rows, microbatch_loss
     from dflash_train.train.loss import auto_logits_chunk
+    from dflash_train.train.optimizer import DeviceAdamW
 
     if device == "cpu":  # tiny shapes: with more threads than free cores, thread start-up dominates
         torch.set_num_threads(1)
@@ -107,10 +108,14 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     chunk = auto_logits_chunk(head_rows(model), device)
     weight = mb.weight_sum
 
-    def step():
+    optimizer = DeviceAdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
+                            fp32_masters=dtype != torch.float32)
+
+    def step():  # the update is tiny (lr 1e-6): every step measures the same work
         loss, _ = microbatch_loss(model, mb, attention=attention, chunk=chunk)
         (loss / weight).backward()
-        model.zero_grad(set_to_none=True)  # no update: every step measures the same work
+        optimizer.step()
+        optimizer.zero_grad()
 
     for _ in range(2):  # warm-up: compiles, allocator pools
         step()

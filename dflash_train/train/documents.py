@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import threading
 from pathlib import Path
 
 import torch
@@ -170,6 +171,7 @@ class DocumentSource:
         self.layer_ids = list(target_layer_ids)
         self.expected_dim = None if target_hidden is None else len(self.layer_ids) * target_hidden
         self._memory: dict[int, Document] = {}
+        self._lock = threading.Lock()
         self._extract = None
         if mode in ("online", "memory"):
             from dflash_train.features.extract import TargetFeatures
@@ -180,6 +182,12 @@ class DocumentSource:
         return len(self.lengths)
 
     def get(self, idx: list[int]) -> list[Document]:
+        """Documents of rows `idx`. One caller at a time (the loop and its prefetch thread): the target's
+        forward and the memory store are not shared between two at once."""
+        with self._lock:
+            return self._get(idx)
+
+    def _get(self, idx: list[int]) -> list[Document]:
         if self.mode == "offline":
             return [self._check(self.cache.document(i), i) for i in idx]
         todo = [i for i in idx if i not in self._memory]

@@ -53,7 +53,8 @@ class MicroBatch:
 
 def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, anchors_per_document: int,
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
-                     anchors: list[torch.Tensor] | None = None, pin_memory: bool = False) -> MicroBatch:
+                     anchors: list[torch.Tensor] | None = None, pin_memory: bool = False,
+                     context_pad: int | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     Documents that carry the target's top-k (kl loss) give the micro-batch the top-k of the
@@ -61,6 +62,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     anchors: per document, sorted in-document positions to place blocks at instead of sampling
     them (eval places them where decode steps began); labels follow the same rules either way.
     pin_memory: host features are packed into pinned memory (for a non-blocking copy to a GPU).
+    context_pad: the run's micro-batch token budget; compiled flex pads every context to it (one shape).
     """
     packed = pack_documents(docs, pin_memory=pin_memory)
     starts = [0]
@@ -75,7 +77,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
                             packed.doc_end[anchors], block_size, labels)
     valid, _ = labelled_slots(anchors, packed.loss_mask, packed.doc_end[anchors], block_size)
     weights = slot_weights(block_size, gamma)[None, :].expand_as(valid) * valid
-    layout = train_layout(anchors, packed.doc_start[anchors], packed.positions, block_size)
+    layout = train_layout(anchors, packed.doc_start[anchors], packed.positions, block_size, ctx_pad=context_pad)
     target_topk = None
     if packed.target_topk_ids is not None:
         at = src[valid]  # host tensors: the gather index is known without reading the device

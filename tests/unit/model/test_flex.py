@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import _ordered_to_dense, create_block_mask
 
-from dflash_train.model.flex import TILE, _flex_call, bucket, compiled_flex, training_block_mask
+from dflash_train.model.flex import TILE, _flex_call, bucket, compiled_flex, query_bucket, training_block_mask
 from dflash_train.model.modeling_dflash import DFlashDraftModel, dense_training_mask, train_layout
 
 
@@ -50,7 +50,7 @@ def test_block_mask_equals_torch_reference_and_mask_mod_is_the_training_mask(win
         q_len, kv_len = mask.seq_lengths
         n, b = layout.block_positions.shape
         t, t_pad = layout.ctx_positions.numel(), kv_len - q_len
-        assert (q_len, t_pad) == (bucket(n * b), bucket(t))
+        assert (q_len, t_pad) == (query_bucket(n * b), bucket(t))
         ref = create_block_mask(mask.mask_mod, None, None, q_len, kv_len, device="cpu")  # evaluates every pair
         mine_any, ref_any = mask.to_dense()[0, 0].bool(), ref.to_dense()[0, 0].bool()
         mine_full, ref_full = _full_tiles(mask), _full_tiles(ref)
@@ -188,3 +188,15 @@ def test_compiled_flex_forward_and_grads_equal_dense_on_gpu(tiny_config, dtype):
             torch.testing.assert_close(pf[name], pd[name], rtol=tol, atol=tol, msg=name)
     # both micro-batches share one bucket: one kernel per layer kind (window, full), forward and backward
     assert counters["stats"]["unique_graphs"] - base == 2
+
+
+def test_query_lengths_pad_to_powers_of_two_tiles_and_the_context_to_the_run_budget():
+    assert [query_bucket(n) for n in (1, 128, 129, 256, 257, 5000, 8192, 8193)] == \
+        [128, 128, 256, 256, 512, 8192, 8192, 16384]
+    # the query rows of a run's micro-batches (here 4K..128K) fall in at most 6 sizes, half the 1.5x ladder's
+    sizes = range(4096, 131073, 512)
+    assert len({query_bucket(n) for n in sizes}) == 6 and len({bucket(n) for n in sizes}) == 11
+    layout = _layout([100, 60], [3, 50, 120], 4)
+    mask = training_block_mask(layout.anchors, layout.doc_start, layout.ctx_positions, layout.block_positions,
+                               None, ctx_len=1000)
+    assert mask.seq_lengths == (128, bucket(1000) + 128)  # 160 context tokens, padded to the budget's bucket

@@ -314,3 +314,37 @@ def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attent
     assert all(optimizer.state[m]["exp_avg"].device == meta for m in optimizer.masters)
     with pytest.raises((RuntimeError, NotImplementedError)):
         stats.summary()  # the negative control: the loop's log-time read would raise here
+
+
+def test_a_whole_run_with_its_checks_needs_few_flex_compiles(train_tiny_target, train_prepared):
+    """Compiled flex builds one kernel per (query length, key length) x layer kind x grad mode. Every
+    micro-batch of a whole short run (all steps of both epochs) and of its held-out and fit checks, as
+    the loop builds them: the block masks' padded lengths give at most 10 compiles (one layer kind;
+    training with grads, the checks without), every one with the same context length. (CPU has no flex
+    backward, so the shapes are counted, not compiled; one compile per shape is test_flex.py's.)"""
+    from dflash_train.features.target import load_target
+    from dflash_train.model.flex import bucket
+    from dflash_train.train.documents import DocumentSource, fit_rows, holdout_split, load_rows, validation_rows
+    from dflash_train.train.engine import World
+    from dflash_train.train.loop import StepPlan, _microbatch, check_plan, step_batches
+    from dflash_train.train.recipe import load_recipe
+
+    recipe = load_recipe(_recipe(Path(train_prepared).parent.parent, train_tiny_target, train_prepared)).recipe
+    target, _ = load_target(str(train_tiny_target), dtype=torch.float32, device="cpu")
+    rows = load_rows(train_prepared)
+    labels = list(rows["source"]) if "source" in rows.column_names else None
+    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.seed)
+    source = DocumentSource(rows, "memory", target, [1, 3], target_hidden=64)
+    world = World(0, 1, 0, torch.device("cpu"))
+    plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, 1)
+    train_mbs = [mb for step in range(plan.total) for mb in step_batches(recipe, source, plan, world, step)]
+    check = [validation_rows(held, labels, recipe.logging.eval_documents),
+             fit_rows(train_rows, labels, recipe.logging.eval_documents, recipe.seed)]
+    check_mbs = [_microbatch(recipe, source, b, 0, world.device, every_anchor=True)
+                 for rs in check for bins in check_plan(recipe, source, rs, labels, world).values() for b in bins]
+    compiles = ({("grad", *mb.layout.flex_mask(None).seq_lengths) for mb in train_mbs}
+                | {("no_grad", *mb.layout.flex_mask(None).seq_lengths) for mb in check_mbs})
+
+    assert len(train_mbs) == 2 * plan.total and len(check_mbs) >= 2
+    assert {kv - q for _, q, kv in compiles} == {bucket(recipe.batch.tokens_per_microbatch)}  # one context length
+    assert len(compiles) <= 10, sorted(compiles)

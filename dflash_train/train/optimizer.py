@@ -8,7 +8,7 @@ therefore gets this optimizer with DeepSpeed's bf16 mode and its gradient clippi
 
 1. the model's gradients (bf16 under `engine.precision: bf16`) are cast to fp32 master gradients,
 2. the global gradient norm and the clip factor min(1, clip / (norm + 1e-6)) stay tensors on the
-   device (`torch.nn.utils.get_total_norm`, `clip_grads_with_norm_`; no comparison on the host),
+   device (`torch.nn.utils.get_total_norm`, then one multi-tensor multiply; no comparison on the host),
 3. AdamW updates the fp32 masters: `fused=True` (one kernel for all tensors) on CUDA and CPU; the
    multi-tensor `foreach` path elsewhere (the meta device of the no-host-read test),
 4. the masters are copied back into the model's weights.
@@ -59,8 +59,14 @@ class DeviceAdamW(torch.optim.AdamW):
                 m.grad = p.grad.to(torch.float32)
         live = [m for _, m in pairs]
         if self.grad_clip > 0 and live:
-            norm = torch.nn.utils.get_total_norm([m.grad for m in live])  # foreach where the device has it
-            torch.nn.utils.clip_grads_with_norm_(live, self.grad_clip, norm)
+            grads = [m.grad for m in live]
+            norm = torch.nn.utils.get_total_norm(grads)  # foreach where the device has it
+            coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no comparison on the host
+            if all(g.device.type in FUSED_DEVICES for g in grads):
+                torch._foreach_mul_(grads, coef)
+            else:
+                for g in grads:
+                    g.mul_(coef)
             self._global_grad_norm = norm
         loss = super().step(closure)
         if self.separate and pairs:

@@ -200,3 +200,24 @@ def test_query_lengths_pad_to_powers_of_two_tiles_and_the_context_to_the_run_bud
     mask = training_block_mask(layout.anchors, layout.doc_start, layout.ctx_positions, layout.block_positions,
                                None, ctx_len=1000)
     assert mask.seq_lengths == (128, bucket(1000) + 128)  # 160 context tokens, padded to the budget's bucket
+
+
+@pytest.mark.gpu
+def test_compiled_flex_under_bf16_mixed_autocast_equals_dense_on_gpu(tiny_config):
+    """`engine.precision: bf16-mixed` on a GPU: fp32 weights, the forward under autocast, through the real
+    compiled kernel (q/k/v cast to bf16 before it), forward and backward, to bf16 tolerance of dense."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    results = {}
+    for attention in ("flex", "dense"):
+        model = _model(tiny_config).to("cuda")
+        model.attach_target_weights(model._target_embed.cuda(), model._target_lm_head.cuda())
+        feats, blocks, layout = _inputs(model, [50, 30], [2, 20, 51, 70])
+        layout = layout.to(torch.device("cuda"))
+        f = feats.cuda().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model.forward_train(f, blocks.cuda(), layout, attention=attention)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).mean().backward()
+        results[attention] = (out.float(), f.grad.float(), model.fc.weight.grad.float())
+    for a, b in zip(results["flex"], results["dense"], strict=True):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

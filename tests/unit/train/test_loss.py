@@ -181,14 +181,18 @@ def test_bf16_head_on_gpu_equals_the_fp32_head():
         pytest.skip("needs a CUDA GPU")
     hidden, weight, labels, w, _ = (t.cuda() for t in _head_inputs(m=700, h=256, v=32000))
     results = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        h = hidden.to(dtype, copy=True).requires_grad_()
-        out, pred = head_loss(h, weight.to(dtype), labels, w, chunk=auto_logits_chunk(32000, "cuda"))
+    # fp32 hidden against the bf16 head: `engine.precision: fp32` on a GPU (the head is never upcast)
+    for name, (hd, wd) in {"fp32": (torch.float32,) * 2, "bf16": (torch.bfloat16,) * 2,
+                           "fp32-hidden": (torch.float32, torch.bfloat16)}.items():
+        h = hidden.to(hd, copy=True).requires_grad_()
+        out, pred = head_loss(h, weight.to(wd), labels, w, chunk=auto_logits_chunk(32000, "cuda"))
         out.backward()
-        results[dtype] = (float(out), pred, h.grad.float())
-    (l32, p32, g32), (l16, p16, g16) = results[torch.float32], results[torch.bfloat16]
-    assert abs(l16 - l32) <= 2e-3 * abs(l32) and (p16 == p32).float().mean() >= 0.95
-    assert (g16 - g32).abs().max() <= 3e-2 * g32.abs().max()
+        results[name] = (float(out), pred, h.grad.float())
+    l32, p32, g32 = results["fp32"]
+    for name in ("bf16", "fp32-hidden"):
+        l16, p16, g16 = results[name]
+        assert abs(l16 - l32) <= 2e-3 * abs(l32) and (p16 == p32).float().mean() >= 0.95, name
+        assert (g16 - g32).abs().max() <= 3e-2 * g32.abs().max(), name
 
 
 def test_accept_lengths_stop_at_the_first_wrong_or_unlabelled_slot():

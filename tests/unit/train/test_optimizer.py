@@ -177,3 +177,32 @@ def test_a_deepspeed_bf16_step_reads_nothing_back_where_deepspeeds_wrapper_reads
     assert sum(mine["reads"].values()) == 0, mine["reads"]
     assert theirs["optimizer"] == "FP16_UnfusedOptimizer" and theirs["weight_dtype"] == "torch.bfloat16"
     assert sum(theirs["reads"].values()) >= theirs["params"], theirs["reads"]  # a host wait per parameter
+
+
+@pytest.mark.gpu
+def test_the_fused_cuda_step_makes_no_host_sync_and_equals_the_cpu_step():
+    """On a GPU: torch's sync debug mode turns any synchronising call inside the step into an error; the
+    fused CUDA update lands within fp32 rounding of the CPU one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cpu, gpu = _params(), _params(device="cuda")
+    opts = [DeviceAdamW(ps, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=0.5, fp32_masters=True)
+            for ps in (cpu, gpu)]
+    assert opts[1].defaults["fused"]
+    for ps in (cpu, gpu):
+        for p in ps:
+            p.data = p.data.bfloat16()
+    for step in range(3):
+        for ps, opt in zip((cpu, gpu), opts, strict=True):
+            for p, g in zip(ps, _grads(ps, step), strict=True):
+                p.grad = g.bfloat16().to(p.device)
+            if ps is gpu:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.step()
+                opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(opts[0].masters, opts[1].masters, strict=True):
+        torch.testing.assert_close(a, b.cpu(), rtol=1e-5, atol=1e-6)

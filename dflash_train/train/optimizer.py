@@ -94,11 +94,12 @@ class DeviceAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
         masters = state_dict.pop("fp32_masters", None)
+        if (self.separate and masters is None) or "param_groups" not in state_dict:
+            raise ValueError("optimizer state without this optimizer's fp32 master weights (saved by another "
+                             "precision, optimizer or version: DeepSpeed's bf16 wrapper before DeviceAdamW); "
+                             "resume with the settings and version the run was started with")
         super().load_state_dict(state_dict)
         if self.separate:
-            if masters is None:
-                raise ValueError("optimizer state without fp32 master weights (saved by another precision or "
-                                 "optimizer); resume with the engine settings the run was started with")
             with torch.no_grad():
                 for m, saved in zip(self.masters, masters, strict=True):
                     m.copy_(saved)

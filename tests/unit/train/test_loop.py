@@ -348,3 +348,59 @@ def test_a_whole_run_with_its_checks_needs_few_flex_compiles(train_tiny_target, 
     assert len(train_mbs) == 2 * plan.total and len(check_mbs) >= 2
     assert {kv - q for _, q, kv in compiles} == {bucket(recipe.batch.tokens_per_microbatch)}  # one context length
     assert len(compiles) <= 10, sorted(compiles)
+
+
+def gpu_step_syncs(target: str, prepared: str) -> dict:
+    """A whole training step on a GPU through the real DeepSpeed engine (ZeRO-0, bf16, DeviceAdamW, split
+    attention, memory features), its second step under torch's sync debug mode set to raise on any
+    host-device synchronisation. Run in its own process (a process group, a global debug mode)."""
+    from dflash_train.features.target import load_target
+    from dflash_train.model.config import DFlashConfig
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.train.device import StepKernels
+    from dflash_train.train.documents import DocumentSource, load_rows
+    from dflash_train.train.engine import build_engine, init_distributed
+    from dflash_train.train.finite import FiniteGuard
+    from dflash_train.train.loop import StepPlan, step_batches, train_step
+    from dflash_train.train.recipe import load_recipe
+
+    world = init_distributed()
+    recipe = load_recipe(None, base={"data": {"prepared": prepared, "features": "memory"},
+                                     "drafter": {"num_layers": 2, "block_size": 4, "mask_token_id": 16},
+                                     "batch": {"tokens_per_microbatch": 256, "grad_accum": 2},
+                                     "engine": {"precision": "bf16"}}).recipe
+    target, _ = load_target(target, dtype=torch.bfloat16, device=str(world.device))
+    source = DocumentSource(load_rows(prepared), "memory", target, [1, 3], target_hidden=64)
+    plan = StepPlan(list(range(len(source))), source.lengths, recipe, 1)
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=49152, draft_vocab_size=49152,
+                       target_hidden_size=64, num_target_layers=6, aux_hidden_state_layer_ids=[2, 4], block_size=4,
+                       mask_token_id=16, dtype="float32")
+    model = DFlashDraftModel(cfg)
+    model.init_weights(seed=0)
+    engine, _ = build_engine(model.to(world.device), recipe, plan.total)
+    engine.module.attach_target(target)
+    guard, kernels = FiniteGuard(world.device, 1e-3, 1.0), StepKernels("split", 1024)
+    train_step(engine, recipe, source, plan, world, 0, guard, kernels)  # warm-up: optimizer state, allocator
+    batches = step_batches(recipe, source, plan, world, 1)  # host work, as the prefetch thread does it
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats, tokens = train_step(engine, recipe, source, plan, world, 1, guard, kernels, batches=batches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {"optimizer": type(engine.optimizer).__name__, "loss": stats.summary()["loss"], "tokens": int(tokens)}
+
+
+@pytest.mark.gpu
+def test_a_whole_gpu_step_never_synchronises(train_tiny_target, train_prepared):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    here = Path(__file__).resolve().parent
+    code = (f"import sys, json; sys.path.insert(0, {str(here)!r}); from test_loop import gpu_step_syncs; "
+            f"print(json.dumps(gpu_step_syncs({str(train_tiny_target)!r}, {str(train_prepared)!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["optimizer"] == "DeviceAdamW" and r["tokens"] > 0 and r["loss"] > 0

@@ -94,6 +94,7 @@ def test_head_outputs_never_hold_more_than_a_chunk_of_logits(smollm2, ids):
     assert torch.equal(top_ids.long(), torch.log_softmax(logits, -1).topk(4, dim=-1).indices)
 
 
+@pytest.mark.slow
 def test_greedy_labels_come_chunk_by_chunk_and_equal_the_full_argmax(smollm2):
     """with_next_tokens (the online and memory feature modes): the greedy next tokens equal the argmax
     of the full forward's logits, and no tensor as large as the [B, T, V] logits is ever made: the head

@@ -10,7 +10,13 @@ On the embedded SmolLM2 target and ShareGPT first exchanges, in one run:
      bench_features.py): tokens/s, ratio, seconds the forward waited on the writer threads, GB per 1M tokens.
 Eval steps/s is not measured here: dflash_train/eval is being changed for GPU decoding (issue 14 item 3).
 
+Variants (`--list`): `regen` (1), `regen-f25d61f` (2) and `features` (3). The rows are prepared once, then
+each variant runs in its own subprocess under `--timeout`; every finished variant appends one JSON line
+to `--json` at once and a failed one is a row with its error while the run goes on (bench/variants.py).
+When both regeneration variants run in one call, the second row says how many rows they agree on.
+
     python bench/bench_gpu_data.py            # on a GPU: 512 rows x 320 new tokens, 1024 feature rows
+    python bench/bench_gpu_data.py --variant regen --json rows.jsonl   # one variant (a device call each)
     python bench/bench_gpu_data.py --smoke    # the same code on CPU at a tiny size (< 2 min; the default
                                               # without a GPU, so `make bench` stays short)
 """
@@ -29,6 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_features import measure_features, sync  # noqa: E402 - the sibling bench, shared
+from variants import add_arguments, commit, print_list, run_all, run_child  # noqa: E402
+
+VARIANTS = {"regen": "regeneration, this toolkit's HF path (static cache and compiled decode on CUDA): new tokens/s",
+            "regen-f25d61f": "regeneration, f25d61f's HF path (dynamic cache, eager, one generate call)",
+            "features": "feature extraction (write_feature_cache) against the plain target forward: tokens/s"}
 
 
 def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int, today: bool = False) -> dict:
@@ -44,7 +55,7 @@ def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int
     tok = load_tokenizer(None)
     renderer = ChatRenderer(tok, max_length=max_length)
     gen = HFGenerator(resolve_target(None), tok, stop_ids(tok, renderer), max_new_tokens, 0.0, device=device,
-                      static_cache=False if today else None)
+                      static_cache=False if today else None, max_prompt_length=max_length)
     if today:  # f25d61f: one generate call for the whole batch on CUDA, 32 rows per call on CPU
         gen.free_bytes = None
         gen.max_rows = len(convs) if device == "cuda" else 32
@@ -62,6 +73,50 @@ def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int
             "groups": [(len(g), gen.width_of(max(len(prompts[i]) for i in g))) for g in gen.plan(prompts)]}
 
 
+def _sha(message) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(message, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _child(spec: dict) -> dict:
+    """One variant in this process (the subprocess `run_child` starts)."""
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    device, data, work = spec["device"], Path(spec["data"]), Path(spec["work"])
+    if spec["kind"] in ("regen", "regen-f25d61f"):
+        r = measure_regeneration(data, spec["regen_rows"], device, spec["max_new_tokens"],
+                                 today=spec["kind"] == "regen-f25d61f")
+        r["row_sha"] = [_sha(m) for m in r.pop("messages")]
+        return r
+    from dflash_train.features.cache import batch_tokens_that_fit, bytes_per_token
+    from dflash_train.features.target import load_target
+
+    cuda = device == "cuda"
+    model, _ = load_target(None, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    batch_tokens = batch_tokens_that_fit(model.config, 5, torch.cuda.mem_get_info()[0]) if cuda else None
+    f = measure_features(model, data, work, None if cuda else 8, 256, spec["repeats"], batch_tokens=batch_tokens)
+    return {**f, "gb_per_1m_tokens": bytes_per_token(5 * model.config.hidden_size) * 1e6 / 1e9}
+
+
+def _line(variant: str, r: dict, max_new_tokens: int) -> str:
+    if "error" in r:
+        return f"| {variant} | failed | {r['error']} |"
+    if variant == "regen":
+        return (f"| regeneration, HF path of this toolkit | {r['tok_s']:.0f} new | {r['rows']} rows x <= "
+                f"{max_new_tokens} new tokens, {r['new_tokens']} generated in {r['seconds']:.1f} s (first pass, "
+                f"which compiles on CUDA, {r['first_s']:.1f} s); groups (rows, width): {r['groups']} |")
+    if variant == "regen-f25d61f":
+        same = f"; identical rows {r['identical_rows']}/{r['rows']}" if "identical_rows" in r else ""
+        speed = f"; this toolkit's path is {r['speedup']:.2f}x faster" if "speedup" in r else ""
+        return f"| regeneration, f25d61f's HF path | {r['tok_s']:.0f} new | same rows, {r['seconds']:.1f} s{speed}{same} |"
+    return (f"| plain target forward | {r['plain_tok_s']:.0f} | {r['rows']} rows, {r['tokens']} tokens, "
+            f"{r['batches']} batches (same batches as below) |\n"
+            f"| feature extraction (write_feature_cache) | {r['cache_tok_s']:.0f} | ratio to the plain forward "
+            f"{r['ratio']:.2f} (target >= 0.9 on GPU); forward waited {r['waited_s']:.2f} s on the writers; "
+            f"{r['gb_per_1m_tokens']:.2f} GB per 1M tokens (5 layers) |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: checks the bench runs (< 2 min)")
@@ -74,7 +129,14 @@ def main() -> None:
     ap.add_argument("--data", default="sharegpt")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's; 1 with --smoke, "
                     "as tiny decoding steps run fastest on one thread of a shared machine)")
+    add_arguments(ap, list(VARIANTS))
     args = ap.parse_args()
+    if args.list:
+        print_list(VARIANTS)
+        return
+    if args.spec:
+        print(json.dumps(_child(json.loads(args.spec))))
+        return
     if not args.smoke and args.device is None and not torch.cuda.is_available():
         print("no CUDA GPU here: running --smoke (pass --device cpu for the full size on CPU, which takes hours)")
         args.smoke = True
@@ -82,52 +144,48 @@ def main() -> None:
         args.device = args.device or "cpu"
         args.regen_rows, args.max_new_tokens, args.feature_rows, args.max_length, args.repeats = 6, 12, 8, 128, 1
         args.threads = args.threads or 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     import transformers
 
     from dflash_train.data.prepare import prepare_dataset
-    from dflash_train.features.cache import batch_tokens_that_fit, bytes_per_token
-    from dflash_train.features.target import load_target
 
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, threads {args.threads or torch.get_num_threads()}"
+    print(f"bench_gpu_data{' --smoke' if args.smoke else ''}: {name}; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}; SmolLM2-135M-Instruct ({'bf16' if device == 'cuda' else 'fp32'})")
+    context = {"bench": "bench_gpu_data", "device": name, "torch": torch.__version__,
+               "transformers": transformers.__version__, "commit": commit(), "smoke": args.smoke}
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-data-"))
+    done: dict[str, dict] = {}
     try:
         # one set of first exchanges (a prepare reads the whole ShareGPT file): the first --regen-rows
         # conversations are regenerated, every row goes through the target for features
         prepare_dataset(None, args.data, work / "data", max_samples=max(args.regen_rows, args.feature_rows),
                         max_length=args.max_length, max_turns=1)
-        ours = measure_regeneration(work / "data", args.regen_rows, device, args.max_new_tokens)
-        today = measure_regeneration(work / "data", args.regen_rows, device, args.max_new_tokens, today=True)
-        same = sum(a == b for a, b in zip(ours["messages"], today["messages"], strict=True))
+        base = {"device": device, "data": str(work / "data"), "work": str(work), "threads": args.threads,
+                "regen_rows": args.regen_rows, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
 
-        cuda = device == "cuda"
-        model, _ = load_target(None, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
-        batch_size = None if cuda else 8
-        batch_tokens = batch_tokens_that_fit(model.config, 5, torch.cuda.mem_get_info()[0]) if cuda else None
-        f = measure_features(model, work / "data", work, batch_size, 256, args.repeats,
-                             batch_tokens=batch_tokens)
-        gb = bytes_per_token(5 * model.config.hidden_size) * 1e6 / 1e9
+        def run_one(variant: str) -> dict:
+            r = run_child(__file__, {**base, "kind": variant}, args.timeout)
+            other = done.get({"regen": "regen-f25d61f", "regen-f25d61f": "regen"}.get(variant, ""))
+            if "error" not in r and other and "error" not in other:  # both regeneration paths ran: compare
+                r["identical_rows"] = sum(a == b for a, b in zip(r["row_sha"], other["row_sha"], strict=True))
+                ours, today = (r, other) if variant == "regen" else (other, r)
+                r["speedup"] = ours["tok_s"] / today["tok_s"]
+            done[variant] = r
+            return r
 
-        name = torch.cuda.get_device_name() if cuda else f"CPU, threads {torch.get_num_threads()}"
-        print(f"bench_gpu_data{' --smoke' if args.smoke else ''}: {name}; torch {torch.__version__}, "
-              f"transformers {transformers.__version__}; SmolLM2-135M-Instruct ({'bf16' if cuda else 'fp32'})")
         print("| stage | tokens/s | notes |")
         print("|---|---|---|")
-        print(f"| regeneration, HF path of this toolkit | {ours['tok_s']:.0f} new | {ours['rows']} rows x <= "
-              f"{args.max_new_tokens} new tokens, {ours['new_tokens']} generated in {ours['seconds']:.1f} s (first "
-              f"pass, which compiles on CUDA, {ours['first_s']:.1f} s); groups (rows, width): {ours['groups']} |")
-        print(f"| regeneration, f25d61f's HF path | {today['tok_s']:.0f} new | same rows, {today['seconds']:.1f} s; "
-              f"speedup {ours['tok_s'] / today['tok_s']:.2f}x; identical rows {same}/{ours['rows']} |")
-        print(f"| plain target forward | {f['plain_tok_s']:.0f} | {f['rows']} rows, {f['tokens']} tokens, "
-              f"{f['batches']} batches (same batches as below) |")
-        print(f"| feature extraction (write_feature_cache) | {f['cache_tok_s']:.0f} | ratio to the plain forward "
-              f"{f['ratio']:.2f} (target >= 0.9 on GPU); forward waited {f['waited_s']:.2f} s on the writers; "
-              f"{gb:.2f} GB per 1M tokens (5 layers) |")
+        rows = run_all(args.variant or list(VARIANTS), run_one, args.json, context,
+                       lambda v, r: print(_line(v, r, args.max_new_tokens), flush=True))
         print("| eval steps/s | not measured | dflash_train/eval is changing for GPU decoding (issue 14 item 3) |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    failed = [r["variant"] for r in rows if "error" in r]
+    if failed:
+        print(f"\nfailed: {', '.join(failed)} (each is a row with its error{' in ' + args.json if args.json else ''})")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

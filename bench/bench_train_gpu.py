@@ -1,20 +1,26 @@
-"""GPU training bench (issue 12): step time, trained positions/s, peak memory and the fraction of the
+"""GPU training bench (issues 12, 23): step time, trained positions/s, peak memory and the fraction of the
 FLOP bound of one training micro-batch at the Qwen3-8B drafter shapes (hidden 4096, vocab 151936,
 T=4096, 512 anchors, B=16; 1 and 5 layers) for split, compiled flex and dense attention, plus the
 `dflash-train train` throughput with the SmolLM2 target (recipes/smollm2-135m-gpu.yaml).
 
 A step is what the trainer runs per micro-batch: `microbatch_loss` forward and backward, bf16 on the
-GPU, the LM-head chunk of `logits_chunk: auto`, no optimizer update. FLOPs are counted from the shapes
-(the LM head forward and input gradient; per layer the q/k/v/o and MLP matmuls forward and backward,
-the context k/v projections, the query-key pairs the training mask allows; the context projection);
-the bound is those FLOPs at the rate of a plain square matmul in the step's dtype, measured in the same
-run. Every variant runs in its own subprocess (its own peak memory; an out-of-memory variant is a row,
-not a crash).
+GPU, the LM-head chunk of `logits_chunk: auto`, then the toolkit's optimizer step (train/optimizer.py:
+fused AdamW, gradient clip on the device). FLOPs are counted from the shapes (the LM head forward and
+input gradient; per layer the q/k/v/o and MLP matmuls forward and backward, the context k/v
+projections, the query-key pairs the training mask allows; the context projection); the bound is
+those FLOPs at the rate of a plain square matmul in the step's dtype, measured in the same run.
 
-`--smoke` runs the same code on CPU at a tiny shape in fp32 (compiled flex is skipped there: torch has no
+Variants (`--list`): split-1, flex-1, dense-1, split-5, flex-5, dense-5, flex-ckpt-5 (flex with
+activation checkpointing) and train. Each runs in its own subprocess (its own peak memory) under
+`--timeout`; every finished variant appends one JSON line to `--json` at once, and a failed one (out
+of memory, a compile error, a timeout) is a row with its error while the run goes on (bench/variants.py).
+On the GPU machine run one or two variants per command (each fits its 10-minute limit).
+
+`--smoke` runs the same code on CPU at a tiny shape in fp32 (compiled flex is a row "n/a": torch has no
 CPU flex-attention backward), CI-safe, in about a minute; without a CUDA GPU the bench runs the smoke.
 
-Usage: python bench/bench_train_gpu.py [--smoke] [--steps 10] [--train-steps 60] [--json FILE]
+Usage: python bench/bench_train_gpu.py [--smoke] [--variant NAME ...] [--list] [--steps 10]
+       [--train-steps 60] [--json FILE] [--timeout 540]
 """
 
 from __future__ import annotations
@@ -30,13 +36,20 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench_train_step import Shape, build_step
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train_step import Shape, build_step  # noqa: E402 - the sibling benches, shared
+from variants import add_arguments, commit, error_of, print_list, run_all, run_child  # noqa: E402
 
 QWEN3_8B = Shape(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936,
                  target_hidden=4096, features=5, tokens=4096, anchors=512, block=16)
 TINY = Shape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=1024, target_hidden=64,
              features=5, tokens=384, anchors=48, block=16)
-VARIANTS = [("split", False), ("flex", False), ("dense", False), ("flex", True)]  # (attention, checkpointing)
+# name: (layers, attention, activation checkpointing); `train` is the dflash-train train row
+STEP_VARIANTS = {f"{a}-{n}": (n, a, False) for n in (1, 5) for a in ("split", "flex", "dense")}
+STEP_VARIANTS["flex-ckpt-5"] = (5, "flex", True)
+VARIANTS = {**{k: f"{v[0]} layer(s), {v[1]} attention{' + activation checkpointing' if v[2] else ''}, "
+                  "Qwen3-8B drafter shapes (CPU smoke: tiny)" for k, v in STEP_VARIANTS.items()},
+            "train": "dflash-train train on recipes/smollm2-135m-gpu.yaml: tokens/s (CPU smoke: 4 tiny steps)"}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -83,21 +96,26 @@ def _sync(device: str) -> None:
 def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, device: str) -> dict:
     import torch
 
-    from dflash_train.train.batches import head_weight, microbatch_loss
+    from dflash_train.train.batches import head_rows, microbatch_loss
     from dflash_train.train.loss import auto_logits_chunk
+    from dflash_train.train.optimizer import DeviceAdamW
 
     if device == "cpu":  # tiny shapes: with more threads than free cores, thread start-up dominates
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, mb = build_step(shape, device, dtype)
     model.activation_checkpointing = checkpointing
-    chunk = auto_logits_chunk(head_weight(model).shape[0], device)
+    chunk = auto_logits_chunk(head_rows(model), device)
     weight = mb.weight_sum
 
-    def step():
+    optimizer = DeviceAdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
+                            fp32_masters=dtype != torch.float32)
+
+    def step():  # the update is tiny (lr 1e-6): every step measures the same work
         loss, _ = microbatch_loss(model, mb, attention=attention, chunk=chunk)
         (loss / weight).backward()
-        model.zero_grad(set_to_none=True)  # no update: every step measures the same work
+        optimizer.step()
+        optimizer.zero_grad()
 
     for _ in range(2):  # warm-up: compiles, allocator pools
         step()
@@ -113,17 +131,6 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"step_s": step_s, "positions": int(mb.valid.sum()), "peak_bytes": peak, "flops": step_flops(shape, mb),
             "chunk": chunk}
-
-
-def _variant_subprocess(shape: Shape, attention: str, checkpointing: bool, steps: int, device: str) -> dict:
-    spec = json.dumps({"shape": asdict(shape), "attention": attention, "checkpointing": checkpointing,
-                       "steps": steps, "device": device})
-    out = subprocess.run([sys.executable, __file__, "--variant", spec], capture_output=True, text=True)
-    if out.returncode == 0:
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    if "OutOfMemoryError" in out.stderr or "out of memory" in out.stderr:
-        return {"error": "out of memory"}
-    sys.exit(f"{attention} failed:\n{out.stderr[-3000:]}")
 
 
 def train_throughput(smoke: bool, steps: int) -> dict:
@@ -148,7 +155,7 @@ def train_throughput(smoke: bool, steps: int) -> dict:
         env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"OMP_NUM_THREADS": "1"} if smoke else {})}
         out = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if out.returncode:
-            sys.exit(f"dflash-train train failed:\n{out.stderr[-3000:]}")
+            raise RuntimeError(f"dflash-train train failed: {error_of(out.stderr)}")
         state = sorted((Path(tmp) / "run" / "checkpoints").glob("step-*/trainer_state/state.json"))[-1]
         logs = [h for h in json.loads(state.read_text())["history"] if h["split"] == "train"]
     first, last = logs[0], logs[-1]
@@ -159,7 +166,9 @@ def train_throughput(smoke: bool, steps: int) -> dict:
             "features": sets.get("data.features", "online")}
 
 
-def _row(name: str, attention: str, r: dict, rate: float) -> str:
+def _step_row(r: dict, rate: float) -> str:
+    layers, attention = r["layers"], r["attention"]
+    name = f"{layers} layer{'s' if layers > 1 else ''}"
     if "error" in r:
         return f"| {name} | {attention} | {r['error']} | | | | |"
     bound_s = r["flops"] / rate
@@ -168,18 +177,33 @@ def _row(name: str, attention: str, r: dict, rate: float) -> str:
             f"{bound_s / r['step_s']:.0%} |")
 
 
+def _train_line(t: dict) -> str:
+    if "error" in t:
+        return f"`dflash-train train`: {t['error']}"
+    return (f"`dflash-train train`, SmolLM2-135M target ({t['features']} features), {t['layers']} draft layer(s), "
+            f"B=16, {t['tokens_per_microbatch']}-token micro-batches, attention auto: {t['tokens_per_s']:,.0f} "
+            f"tokens/s ({t['step_s']:.3f} s/step over {t['steps']} steps)")
+
+
+def _child(spec: dict) -> dict:
+    if spec["kind"] == "train":
+        return train_throughput(spec["smoke"], spec["steps"])
+    return run_variant(Shape(**spec["shape"]), spec["attention"], spec["checkpointing"], spec["steps"],
+                       spec["device"])
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, fp32 (what CI runs)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (after 2 warm-up steps)")
     ap.add_argument("--train-steps", type=int, default=60, help="optimizer steps of the dflash-train train row")
-    ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    add_arguments(ap, list(VARIANTS))
     args = ap.parse_args()
-    if args.variant:
-        spec = json.loads(args.variant)
-        print(json.dumps(run_variant(Shape(**spec["shape"]), spec["attention"], spec["checkpointing"], spec["steps"],
-                                     spec["device"])))
+    if args.list:
+        print_list(VARIANTS)
+        return
+    if args.spec:
+        print(json.dumps(_child(json.loads(args.spec))))
         return
     import torch
 
@@ -195,28 +219,38 @@ def main() -> None:
     print(f"{name}, torch {torch.__version__}; {'fp32' if smoke else 'bf16'} matmul rate {rate / 1e12:.3g} TFLOP/s "
           f"(the bound); shape: hidden {base.hidden}, vocab {base.vocab}, T={base.tokens}, {base.anchors} anchors, "
           f"B={base.block}; {steps} timed steps per variant\n")
-    print("| drafter | attention | step ms | positions/s | peak GiB | FLOP (bound) | of bound |")
-    print("|---|---|---|---|---|---|---|")
-    results = {"device": name, "torch": torch.__version__, "matmul_flops_per_s": rate, "steps": []}
-    for layers in (1, 5):
-        shape = replace(base, layers=layers)
-        for attention, checkpointing in VARIANTS:
-            if checkpointing and layers == 1:
-                continue
-            label = attention + (" + checkpointing" if checkpointing else "")
-            if attention == "flex" and device == "cpu":
-                r = {"error": "n/a on CPU (no flex backward)"}
-            else:
-                r = _variant_subprocess(shape, attention, checkpointing, steps, device)
-            results["steps"].append({"layers": layers, "attention": label, **r})
-            print(_row(f"{layers} layer{'s' if layers > 1 else ''}", label, r, rate), flush=True)
-    t = train_throughput(smoke, args.train_steps)
-    results["train"] = t
-    print(f"\n`dflash-train train`, SmolLM2-135M target ({t['features']} features), {t['layers']} draft layer(s), B=16, "
-          f"{t['tokens_per_microbatch']}-token micro-batches, attention auto: {t['tokens_per_s']:,.0f} tokens/s "
-          f"({t['step_s']:.3f} s/step over {t['steps']} steps)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    context = {"bench": "bench_train_gpu", "device": name, "torch": torch.__version__, "commit": commit(),
+               "smoke": smoke, "matmul_flops_per_s": rate}
+
+    def run_one(variant: str) -> dict:
+        if variant == "train":
+            return run_child(__file__, {"kind": "train", "smoke": smoke, "steps": args.train_steps}, args.timeout)
+        layers, attention, checkpointing = STEP_VARIANTS[variant]
+        label = {"layers": layers, "attention": attention + (" + checkpointing" if checkpointing else "")}
+        if attention == "flex" and device == "cpu":
+            return {**label, "error": "n/a on CPU (no flex backward)"}
+        spec = {"kind": "step", "shape": asdict(replace(base, layers=layers)), "attention": attention,
+                "checkpointing": checkpointing, "steps": steps, "device": device}
+        return {**label, **run_child(__file__, spec, args.timeout)}
+
+    header = False
+
+    def show(variant: str, row: dict) -> None:
+        nonlocal header
+        if variant == "train":
+            print("\n" + _train_line(row), flush=True)
+            return
+        if not header:
+            print("| drafter | attention | step ms | positions/s | peak GiB | FLOP (bound) | of bound |")
+            print("|---|---|---|---|---|---|---|")
+            header = True
+        print(_step_row(row, rate), flush=True)
+
+    rows = run_all(args.variant or list(VARIANTS), run_one, args.json, context, show)
+    failed = [r["variant"] for r in rows if "error" in r and not r["error"].startswith("n/a")]
+    if failed:
+        print(f"\nfailed: {', '.join(failed)} (each is a row with its error{' in ' + args.json if args.json else ''})")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,16 @@ CUDA:
   `torch.compile` (transformers' default `CompileConfig`: inductor, mode "reduce-overhead", i.e. CUDA
   graphs); the prefill stays eager. The last cache is kept and reset when the next group has the same
   shape, so its captured graphs stay valid.
-- few shapes, so few compiles and graph captures: a group's width (its padded prompt length) is rounded
-  up to a ladder of two steps per octave (64, 96, 128, 192, 256, 384, ...), its cache holds
-  width + max_new_tokens positions, and a group that is not full is padded to a power of two rows
-  (at least 16) by repeating its first prompt (those results are dropped).
+- one shape and one cache per width, for the whole run: a group's width (its padded prompt length) is
+  rounded up to a ladder of two steps per octave (64, 96, 128, 192, 256, 384, ...), its cache holds
+  width + max_new_tokens positions, and every group of a width has the same row count (a group that is
+  not full is padded by repeating its first prompt; those results are dropped). The compiled decode
+  step is captured as a CUDA graph over its cache's addresses, so a new cache for a shape seen before
+  would capture another graph (and keep another pool); each width's cache is therefore kept and
+  reset, never remade. Given the longest prompt (`max_prompt_length`, the data's max_length), the row
+  count is the same for every width of the ladder up to it and sized so that all their caches fit
+  together (`fixed_rows`); the planner counts the padded rows (`plan_groups(pad_rows=True)`). Without
+  it, rows come from `rows_that_fit` per width and only the last cache is kept.
 - which widths share a group: every decode step of a static cache reads all its positions, so short
   prompts in a wide group cost KV reads, while another group costs its own decode steps. The prompts'
   widths are split into runs (`plan_groups`, exact over the ladder's few widths) minimizing, per step,
@@ -83,13 +89,33 @@ def rows_that_fit(free_bytes: int, row_bytes: int, safety: float = SAFETY, cap: 
     return max(1, rows - rows % MIN_ROWS_CUDA if rows >= MIN_ROWS_CUDA else rows)
 
 
+def ladder_up_to(n: int) -> list[int]:
+    """Every ladder width up to ladder_width(n)."""
+    widths = [64]
+    while widths[-1] < n:
+        widths.append(ladder_width(widths[-1] + 1))
+    return widths
+
+
+def fixed_rows(config, dtype_bytes: int, widths: list[int], max_new_tokens: int, free_bytes: int,
+               cap: int = MAX_ROWS_CUDA) -> int:
+    """One row count for every width in `widths` such that a static cache of each (all kept for the run)
+    plus the prefill of one group of the widest fit in SAFETY * free_bytes (`rows_that_fit`)."""
+    kv = kv_bytes_per_token(config, dtype_bytes)
+    widest = max(widths)
+    prefill = bytes_per_row(config, dtype_bytes, widest, max_new_tokens) - kv * (widest + max_new_tokens)
+    return rows_that_fit(free_bytes, sum(kv * (w + max_new_tokens) for w in widths) + prefill, cap=cap)
+
+
 def plan_groups(lengths: list[int], rows_for: Callable[[int], int], width_of: Callable[[int], int],
-                group_cost: float = 0.0, position_cost: float = 0.0, max_new_tokens: int = 0) -> list[list[int]]:
+                group_cost: float = 0.0, position_cost: float = 0.0, max_new_tokens: int = 0,
+                pad_rows: bool = False) -> list[list[int]]:
     """Groups of prompt indices, longest prompts first, each of at most `rows_for(width of its longest)`.
 
     Without costs every group is filled in order. With them (static cache), prompts are first split
     into runs of consecutive widths that minimize groups * group_cost + sum over rows of
-    (run width + max_new_tokens) * position_cost, and groups never cross a run.
+    (run width + max_new_tokens) * position_cost, and groups never cross a run. `pad_rows`: every group
+    runs rows_for(width) rows (its padding rows cost as much as real ones).
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     runs = [order]
@@ -107,7 +133,10 @@ def plan_groups(lengths: list[int], rows_for: Callable[[int], int], width_of: Ca
             for a in range(j - 1, -1, -1):
                 n += len(buckets[a][1])
                 w = buckets[a][0]
-                cost = best[a] + -(-n // rows_for(w)) * group_cost + n * (w + max_new_tokens) * position_cost
+                groups, rows = -(-n // rows_for(w)), n
+                if pad_rows:
+                    rows = groups * rows_for(w)
+                cost = best[a] + groups * group_cost + rows * (w + max_new_tokens) * position_cost
                 if cost < best[j]:
                     best[j], cut[j] = cost, a
         runs, j = [], len(buckets)
@@ -131,7 +160,7 @@ class HFGenerator:
 
     def __init__(self, target_path, tokenizer, stop_ids: list[int], max_new_tokens: int, temperature: float,
                  device: str | None = None, static_cache: bool | None = None, compile_config=None,
-                 dtype: str = "auto"):
+                 dtype: str = "auto", max_prompt_length: int | None = None):
         import torch
 
         from dflash_train.features.target import load_target, target_torch_dtype
@@ -152,7 +181,13 @@ class HFGenerator:
         self.free_bytes = torch.cuda.mem_get_info(torch.device(device))[0] if device == "cuda" else None
         self._oom_cap: int | None = None  # rows per group after an out-of-memory error (this width and wider)
         self._oom_width = 0
-        self._cache = None  # (rows, length, StaticCache) of the last static group
+        # static: the ladder widths whose caches are all kept (rows sized so they fit together); else none
+        self.widths = ladder_up_to(max_prompt_length) if self.static and max_prompt_length else []
+        self._fixed = None
+        if self.widths and self.free_bytes is not None:
+            self._fixed = fixed_rows(self.model.config, self.dtype_bytes, self.widths, max_new_tokens,
+                                     self.free_bytes, cap=self.max_rows)
+        self._caches: dict[int, tuple[int, int, object]] = {}  # width -> (rows, length, StaticCache)
 
     # ---- planning -------------------------------------------------------------------------------
     def width_of(self, n: int) -> int:
@@ -160,7 +195,9 @@ class HFGenerator:
 
     def rows_for(self, width: int) -> int:
         rows = self.max_rows
-        if self.free_bytes is not None:
+        if width in self.widths:
+            rows = self._fixed or self.max_rows
+        elif self.free_bytes is not None:
             row = bytes_per_row(self.model.config, self.dtype_bytes, width, self.max_new_tokens)
             rows = rows_that_fit(self.free_bytes, row, cap=self.max_rows)
         if self._oom_cap is not None and width >= self._oom_width:
@@ -180,7 +217,7 @@ class HFGenerator:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return plan_groups([len(p) for p in prompts], self.rows_for, self.width_of, group_cost=STEP_BYTES + weights,
                            position_cost=kv_bytes_per_token(self.model.config, self.dtype_bytes),
-                           max_new_tokens=self.max_new_tokens)
+                           max_new_tokens=self.max_new_tokens, pad_rows=True)
 
     def generate_groups(self, prompts: list[list[int]], seed: int = 0) -> Iterator[tuple[int, tuple]]:
         import torch
@@ -217,9 +254,7 @@ class HFGenerator:
 
         n = len(prompts)
         width = self.width_of(max(len(p) for p in prompts))
-        rows = n
-        if self.static and n < self.rows_for(width):  # pad to a power of two rows: few compiled shapes
-            rows = min(self.rows_for(width), max(MIN_ROWS_CUDA, 1 << (n - 1).bit_length()))
+        rows = self.rows_for(width) if self.static else n  # one row count per width: one compiled shape
         batch = prompts + [prompts[0]] * (rows - n)
         ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((rows, width), dtype=torch.long)
@@ -249,19 +284,26 @@ class HFGenerator:
         return results
 
     def _static_cache(self, rows: int, length: int):
-        """The last group's cache when the shape repeats (reset), else a new one (the old one freed first)."""
-        if self._cache is not None and self._cache[:2] == (rows, length):
-            self._cache[2].reset()
-            return self._cache[2]
-        self._release()  # the allocator reuses its memory for the new cache
+        """This width's cache (reset) when its shape is unchanged, else a new one. Caches of the planned
+        widths are all kept (they fit together); any other width keeps only the last one."""
+        width = length - self.max_new_tokens
+        kept = self._caches.get(width)
+        if kept is not None and kept[:2] == (rows, length):
+            kept[2].reset()
+            return kept[2]
+        # freed caches' memory goes to the new one: this width's of another row count (an out-of-memory
+        # cap), and, for a width outside the plan, the last such cache
+        stale = [w for w in self._caches if w == width or (width not in self.widths and w not in self.widths)]
+        for w in stale:
+            del self._caches[w]
         from transformers import StaticCache
 
         cache = StaticCache(config=self.model.config, max_cache_len=length)
-        self._cache = (rows, length, cache)
+        self._caches[width] = (rows, length, cache)
         return cache
 
     def _release(self, empty: bool = False) -> None:
-        self._cache = None
+        self._caches = {}
         if empty and self.device == "cuda":
             import torch
 

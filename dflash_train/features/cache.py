@@ -26,9 +26,11 @@ Size on disk per token: feature_dim * dtype bytes + 17 (input id, greedy next id
 5.78 GB per 1M tokens for SmolLM2-135M (5 layers x 576, bf16) and 40.98 GB for Qwen3-8B (5 x 4096);
 top-k adds 6 * k (0.19 GB per 1M tokens at k = 32).
 
-Reading validates each shard when first opened (size and checksum-free header checks: shapes,
-dtype, offsets) and each row when read (ids and mask equal the prepared data when it is
-still there, finite features).
+Finiteness is checked once, as a row is written (in the writer thread): a non-finite feature stops
+the write naming the row, and each finished shard's manifest entry carries `"finite": true`. Reading
+validates each shard when first opened (size and checksum-free header checks: shapes, dtype, offsets;
+its ids and masks against the prepared data when still there, in one pass), never per row read. A
+shard without the stamp (written before it) has its rows checked for finiteness as they are read.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch
 from dflash_train.data.packing import Document
 from dflash_train.errors import DataError
 from dflash_train.features.cache_writer import DTYPES as _DTYPES
-from dflash_train.features.cache_writer import FORMAT, BackgroundWriter, ShardWriter, to_host
+from dflash_train.features.cache_writer import FORMAT, BackgroundWriter, ShardWriter, shard_batches, to_host
 from dflash_train.outputs import check_writable, ensure_folder, plan_output
 
 MANIFEST_FILE = "manifest.json"
@@ -211,6 +213,10 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
         feats, greedy, *top = host
         for j, r in enumerate(idx):
             n = lengths[r]
+            if not torch.isfinite(feats[j, :n]).all():  # once, here: readers trust the shard's stamp
+                raise DataError(f"{out}: the target produced non-finite features for row {r} of {data}; the "
+                                "target's weights or its compute dtype overflow: compute in float32 "
+                                "(`--target-dtype float32`, data.target_dtype), or drop the row")
             shard.put_row(r, ids_l[j], masks[j], feats[j, :n], greedy[j, :n], *(t[j, :n] for t in top))
         if shard.done_one():
             finish(shard, name, lo, hi)
@@ -219,7 +225,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
         shard.close()
         os.replace(shard.path, out / name)
         entry = {"file": name, "rows": [lo, hi], "tokens": shard.tokens, "bytes": (out / name).stat().st_size,
-                 "sha256": sha256_file(out / name)}
+                 "sha256": sha256_file(out / name), "finite": True}  # every row checked in write_batch
         with manifest_lock:
             manifest["shards"] = sorted(manifest["shards"] + [entry], key=lambda s: s["file"])
             manifest["complete"] = len(manifest["shards"]) == n_shards
@@ -263,21 +269,6 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     if stats is not None:
         stats.update(tokens=computed, seconds=time.perf_counter() - start, waited_s=pool.waited_s)
     return out
-
-
-def shard_batches(lengths: list[int], batch_size: int | None, max_tokens: int | None = None) -> list[list[int]]:
-    """Batches of a shard's rows, longest first so each batch pads little: at most `batch_size` rows
-    and at most `max_tokens` padded tokens (rows x the first row's length) where given."""
-    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
-    batches: list[list[int]] = []
-    for r in order:
-        cur = batches[-1] if batches else None
-        if (cur is None or (batch_size is not None and len(cur) >= batch_size)
-                or (max_tokens is not None and (len(cur) + 1) * lengths[cur[0]] > max_tokens)):
-            batches.append([r])
-        else:
-            cur.append(r)
-    return batches
 
 
 def _resumable_shards(out: Path, manifest: dict) -> list[dict]:
@@ -393,8 +384,23 @@ class FeatureCache:
         if not ok:
             raise DataError(f"{f}: shard shapes disagree with the manifest (features {fshape}, "
                             f"{offsets.numel() - 1} rows); {fix}")
-        self._open[k] = (handle, offsets.tolist())
+        self._check_against_prepared(handle, offsets, lo, hi, f)
+        self._open[k] = (handle, offsets.tolist(), bool(s.get("finite")))
         return self._open[k]
+
+    def _check_against_prepared(self, handle, offsets: torch.Tensor, lo: int, hi: int, f: Path) -> None:
+        """The shard's ids and masks equal the prepared rows lo..hi (when that data is still there): one
+        comparison when the shard is opened, instead of one per row read."""
+        data = self._prepared()
+        if data is None:
+            return
+        rows = data.select(range(lo, hi))
+        ids, masks = handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
+        for r, (want_ids, want_mask) in enumerate(zip(rows["input_ids"], rows["loss_mask"], strict=True)):
+            a, b = int(offsets[r]), int(offsets[r + 1])
+            if ids[a:b].tolist() != want_ids or masks[a:b].tolist() != [int(x) for x in want_mask]:
+                raise DataError(f"{f}: row {lo + r} holds other tokens than the prepared data at "
+                                f"{self.manifest['data_path']}; rerun `dflash-train features`")
 
     def _prepared(self):
         if not self._data_checked:
@@ -416,22 +422,16 @@ class FeatureCache:
         import bisect
 
         k = bisect.bisect_right(self._starts, i) - 1
-        handle, offsets = self._shard(k)
+        handle, offsets, stamped = self._shard(k)
         r = i - self.manifest["shards"][k]["rows"][0]
         a, b = offsets[r], offsets[r + 1]
-        f = self.path / self.manifest["shards"][k]["file"]
         feats = handle.get_slice("features")[a:b]
         ids = handle.get_slice("input_ids")[a:b]
         mask = handle.get_slice("loss_mask")[a:b].bool()
         greedy = handle.get_slice("greedy_next")[a:b]
-        if not torch.isfinite(feats).all():
+        if not stamped and not torch.isfinite(feats).all():  # a shard from before the write-time check
+            f = self.path / self.manifest["shards"][k]["file"]
             raise DataError(f"{f}: row {i} has non-finite features; delete the shard and rerun `dflash-train features`")
-        data = self._prepared()
-        if data is not None:
-            row = data[i]
-            if row["input_ids"] != ids.tolist() or row["loss_mask"] != mask.int().tolist():
-                raise DataError(f"{f}: row {i} holds other tokens than the prepared data at "
-                                f"{self.manifest['data_path']}; rerun `dflash-train features`")
         top = [handle.get_slice(k2)[a:b] for k2 in TOPK_KEYS] if self.manifest["topk"] else [None, None]
         return Document(input_ids=ids, loss_mask=mask, features=feats, greedy_next=greedy, target_topk_ids=top[0],
                         target_topk_logp=top[1])

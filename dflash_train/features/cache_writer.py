@@ -209,3 +209,18 @@ class BackgroundWriter:
 
 class _Aborted(Exception):
     pass
+
+
+def shard_batches(lengths: list[int], batch_size: int | None, max_tokens: int | None = None) -> list[list[int]]:
+    """Batches of a shard's rows, longest first so each batch pads little: at most `batch_size` rows
+    and at most `max_tokens` padded tokens (rows x the first row's length) where given."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    batches: list[list[int]] = []
+    for r in order:
+        cur = batches[-1] if batches else None
+        if (cur is None or (batch_size is not None and len(cur) >= batch_size)
+                or (max_tokens is not None and (len(cur) + 1) * lengths[cur[0]] > max_tokens)):
+            batches.append([r])
+        else:
+            cur.append(r)
+    return batches

@@ -6,11 +6,16 @@ own heads: GQA is the kernel's, not a repeated copy):
     queries [Q_pad]          block rows n*B + k (n < N), then padding rows
     keys    [T_pad + Q_pad]  context 0..T-1, padding up to T_pad, then the block rows, padding
 
-Shapes. A compiled kernel is specialised to its shapes, and every micro-batch has its own T and
-N. Both lengths are padded up to a bucket (`bucket`: 128 x {1, 2, 3, 4, 6, 8, 12, ...}), so a
-whole run sees a handful of shapes, each compiled once. Padding rows see no key and no query
-sees a padding key; flex attention skips the tiles a block mask leaves empty, so padding costs
-the memory of the padded q/k/v, not attention work.
+Shapes. A compiled kernel is specialised to its shapes (and to the layer kind and the grad mode),
+and every micro-batch has its own T and N. The context is padded to one length for the whole run:
+the bucket (`bucket`: 128 x {1, 2, 3, 4, 6, 8, 12, ...}) of the micro-batch token budget (`ctx_len`;
+packed rows fill it nearly, and the training and held-out micro-batches share it); only a row longer
+than the budget makes another. The query rows N*B, which vary more, are padded to a power of two
+times 128 (`query_bucket`), so a run sees about two or three query sizes for training and as many
+for the held-out check: with one layer kind well under ten compiles in all (counted by
+tests/unit/train/test_loop.py). Padding rows see no key and no query sees a padding key; flex
+attention skips the tiles a block mask leaves empty, so padding costs the memory of the padded
+q/k/v, not attention work.
 
 Block mask. Built on the device, once per micro-batch, from per-tile intervals (a row sees the
 context span [doc_start, anchor) and its own block's key rows), never from the [Q, K] mask:
@@ -45,6 +50,12 @@ def bucket(n: int) -> int:
         p *= 2
 
 
+def query_bucket(n: int) -> int:
+    """Smallest TILE * 2^k >= n: the padded query length (at most half of it padding)."""
+    m = max(1, -(-int(n) // TILE))
+    return TILE << (m - 1).bit_length()
+
+
 def _pad(x: torch.Tensor, length: int, value) -> torch.Tensor:
     if x.shape[0] == length:
         return x
@@ -59,14 +70,15 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def training_block_mask(anchors: torch.Tensor, doc_start: torch.Tensor, ctx_positions: torch.Tensor,
-                        block_positions: torch.Tensor, window: int | None):
+                        block_positions: torch.Tensor, window: int | None, ctx_len: int | None = None):
     """The BlockMask of the training mask (training.md) for one packed micro-batch, on the layout's
-    device, with lengths padded to buckets: Q_LEN = bucket(N*B), KV_LEN = bucket(T) + Q_LEN."""
+    device, with lengths padded to buckets: Q_LEN = query_bucket(N*B), KV_LEN = bucket(max(T, ctx_len))
+    + Q_LEN (`ctx_len`: the run's micro-batch token budget, so every micro-batch shares one)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     n, b = block_positions.shape
     t = ctx_positions.shape[0]
-    t_pad, q_pad = bucket(t), bucket(n * b)
+    t_pad, q_pad = bucket(max(t, ctx_len or 0)), query_bucket(n * b)
     dev = anchors.device
     rows = n * b
     # per query row: its block, its visible context span [lo, hi), its position (padding rows: none)
@@ -138,8 +150,21 @@ def compiled_flex():
     return _COMPILED
 
 
+def attention_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The one dtype flex attention gets q, k and v in (the kernel refuses a mix). Under torch.autocast
+    (`engine.precision: bf16-mixed`) q and k leave RMSNorm and RoPE in fp32 while v comes out of its
+    linear layer in bf16: all three take the autocast dtype, as an autocast matmul would. Otherwise
+    they share the weights' dtype already, and v's is kept."""
+    dev = q.device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return v.dtype
+
+
 def flex_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, block_mask, scale: float) -> torch.Tensor:
     """q/k_blk/v_blk [N, H*, B, d], ctx_k/v [Hkv, T, d] (keys/values not repeated for GQA) -> [N, Hq, B, d]."""
+    dtype = attention_dtype(q, v_blk)
+    q, k_blk, v_blk, ctx_k, ctx_v = (x.to(dtype) for x in (q, k_blk, v_blk, ctx_k, ctx_v))
     n, h, b, d = q.shape
     hkv, t = ctx_k.shape[0], ctx_k.shape[1]
     q_pad, kv_len = block_mask.seq_lengths

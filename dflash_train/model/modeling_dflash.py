@@ -109,6 +109,7 @@ class TrainLayout:
     ctx_positions   [T] absolute (in-document) position of each context token
     block_positions [N, B] absolute positions of each block slot
     chunk_blocks    the split attention's unit of work: at most this many blocks at a time
+    ctx_pad         flex: the context length every micro-batch of the run is padded to (model/flex.py)
     """
 
     anchors: torch.Tensor
@@ -116,6 +117,7 @@ class TrainLayout:
     ctx_positions: torch.Tensor
     block_positions: torch.Tensor
     chunk_blocks: int = 32
+    ctx_pad: int | None = None
     cache: dict = field(default_factory=dict)
 
     def context_allowed(self, window: int | None, lo: int = 0, hi: int | None = None, c0: int = 0,
@@ -160,7 +162,7 @@ class TrainLayout:
             from dflash_train.model.flex import training_block_mask
 
             self.cache[key] = training_block_mask(self.anchors, self.doc_start, self.ctx_positions,
-                                                  self.block_positions, window)
+                                                  self.block_positions, window, self.ctx_pad)
         return self.cache[key]
 
     def to(self, device: torch.device) -> TrainLayout:
@@ -172,7 +174,8 @@ class TrainLayout:
 
         self.segments()
         out = TrainLayout(*(to_device(t, device) for t in (self.anchors, self.doc_start, self.ctx_positions,
-                                                             self.block_positions)), chunk_blocks=self.chunk_blocks)
+                                                             self.block_positions)), chunk_blocks=self.chunk_blocks,
+                          ctx_pad=self.ctx_pad)
         out.cache["segments"] = self.cache["segments"]
         return out
 
@@ -523,9 +526,9 @@ def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 
 def train_layout(anchors: torch.Tensor, doc_start: torch.Tensor, ctx_positions: torch.Tensor,
-                 block_size: int, chunk_blocks: int = 32) -> TrainLayout:
+                 block_size: int, chunk_blocks: int = 32, ctx_pad: int | None = None) -> TrainLayout:
     """Layout for blocks at `anchors` of a packed sequence (ctx_positions: in-document positions)."""
     offsets = torch.arange(block_size, device=anchors.device)
     block_positions = ctx_positions[anchors][:, None] + offsets
     return TrainLayout(anchors=anchors, doc_start=doc_start, ctx_positions=ctx_positions,
-                       block_positions=block_positions, chunk_blocks=chunk_blocks)
+                       block_positions=block_positions, chunk_blocks=chunk_blocks, ctx_pad=ctx_pad)

@@ -12,6 +12,7 @@ a step never waits on the GPU to learn a shape.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,8 @@ class MicroBatch:
 
 def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, anchors_per_document: int,
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
-                     anchors: list[torch.Tensor] | None = None, pin_memory: bool = False) -> MicroBatch:
+                     anchors: list[torch.Tensor] | None = None, pin_memory: bool = False,
+                     context_pad: int | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     Documents that carry the target's top-k (kl loss) give the micro-batch the top-k of the
@@ -60,6 +62,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     anchors: per document, sorted in-document positions to place blocks at instead of sampling
     them (eval places them where decode steps began); labels follow the same rules either way.
     pin_memory: host features are packed into pinned memory (for a non-blocking copy to a GPU).
+    context_pad: the run's micro-batch token budget; compiled flex pads every context to it (one shape).
     """
     packed = pack_documents(docs, pin_memory=pin_memory)
     starts = [0]
@@ -74,7 +77,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
                             packed.doc_end[anchors], block_size, labels)
     valid, _ = labelled_slots(anchors, packed.loss_mask, packed.doc_end[anchors], block_size)
     weights = slot_weights(block_size, gamma)[None, :].expand_as(valid) * valid
-    layout = train_layout(anchors, packed.doc_start[anchors], packed.positions, block_size)
+    layout = train_layout(anchors, packed.doc_start[anchors], packed.positions, block_size, ctx_pad=context_pad)
     target_topk = None
     if packed.target_topk_ids is not None:
         at = src[valid]  # host tensors: the gather index is known without reading the device
@@ -84,12 +87,36 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
 
 
 def head_weight(model: DFlashDraftModel) -> torch.Tensor:
-    """The LM head the drafter scores with: its own (reduced vocab) or the target's, frozen."""
+    """The LM head the drafter scores with: its own (reduced vocab) or the target's, frozen. Under
+    ZeRO-3 a reduced head is a partition outside a module call: score with `full_head_weight`."""
     if model.lm_head is not None:
         return model.lm_head.weight
     if model._target_lm_head is None:
         raise RuntimeError("call attach_target(target_model) before training")
     return model._target_lm_head
+
+
+def head_rows(model: DFlashDraftModel) -> int:
+    """Rows of the LM head (the draft vocabulary), also when ZeRO-3 holds only a partition of it."""
+    w = head_weight(model)
+    return int(w.ds_shape[0]) if hasattr(w, "ds_shape") else int(w.shape[0])
+
+
+@contextmanager
+def full_head_weight(model: DFlashDraftModel):
+    """The whole LM head for the duration. ZeRO-3 partitions the reduced head like every parameter
+    and gathers a module's parameters only around its own call; the fused head reads the weight
+    directly, so it is gathered here (an all-gather of draft_vocab x hidden, released on exit; the
+    fused head needs it only in its forward, which also computes its gradient). A trainable head
+    under ZeRO-3 is refused by the recipe: its gradient would land on the gathered copy."""
+    w = head_weight(model)
+    if not hasattr(w, "ds_id"):
+        yield w
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=None):
+        yield w
 
 
 def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce", attention: str = "split",
@@ -130,6 +157,7 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
         # kl scores a slot whose label the reduced vocab lacks when some of its top-k ids are in it
         tids, p, keep = topk_soft_targets(model.target_to_draft(ids.long()), logp, labels)
         target = (tids, p)
-    loss_sum, preds = head_loss(hidden.flatten(0, 1).index_select(0, index), head_weight(model),
-                                labels.clamp(min=0), w * keep, kind=loss, target=target, chunk=chunk)
+    with full_head_weight(model) as head:
+        loss_sum, preds = head_loss(hidden.flatten(0, 1).index_select(0, index), head, labels.clamp(min=0),
+                                    w * keep, kind=loss, target=target, chunk=chunk)
     return loss_sum, model.draft_to_target(preds)

@@ -216,7 +216,8 @@ def load_checkpoint(engine, world: World, folder: Path) -> dict:
                                          load_lr_scheduler_states=True)
         rng_file = state_dir / f"rng-rank{world.rank}.pt"
         rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
+    except (RuntimeError, ValueError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
+        # ValueError: optimizer state of another optimizer (train/optimizer.DeviceAdamW.load_state_dict)
         raise CheckpointError(f"{state_dir}: cannot be loaded ({type(exc).__name__}: {str(exc)[:200]})") from exc
     if path is None:
         raise CheckpointError(f"{state_dir}/engine: DeepSpeed found no engine state; delete {folder} and resume again")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import threading
 from pathlib import Path
 
 import torch
@@ -183,6 +184,7 @@ class DocumentSource:
         self.layer_ids = list(target_layer_ids)
         self.expected_dim = None if target_hidden is None else len(self.layer_ids) * target_hidden
         self._memory: dict[int, Document] = {}
+        self._lock = threading.Lock()
         self._extract = None
         if mode in ("online", "memory"):
             from dflash_train.features.extract import TargetFeatures
@@ -193,6 +195,12 @@ class DocumentSource:
         return len(self.lengths)
 
     def get(self, idx: list[int]) -> list[Document]:
+        """Documents of rows `idx`. One caller at a time (the loop and its prefetch thread): the target's
+        forward and the memory store are not shared between two at once."""
+        with self._lock:
+            return self._get(idx)
+
+    def _get(self, idx: list[int]) -> list[Document]:
         if self.mode == "offline":
             return [self._check(self.cache.document(i), i) for i in idx]
         todo = [i for i in idx if i not in self._memory]
@@ -242,8 +250,10 @@ class DocumentSource:
             batch[j, :len(x)] = x
             attn[j, :len(x)] = 1
         device = next(self._extract.model.parameters()).device
-        out = self._extract(batch.to(device), attention_mask=attn.to(device), with_next_tokens=True,
-                            topk=self.topk)
+        if device.type == "cuda":  # pinned host memory: a copy the GPU runs on its own (no pageable bounce)
+            batch, attn = batch.pin_memory(), attn.pin_memory()
+        out = self._extract(batch.to(device, non_blocking=True), attention_mask=attn.to(device, non_blocking=True),
+                            with_next_tokens=True, topk=self.topk)
         result = {}
         memory = self.mode == "memory"
         store = torch.bfloat16 if memory else out.features.dtype

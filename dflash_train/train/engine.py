@@ -3,8 +3,12 @@
 Single process by default: without a launcher we create a gloo world of one ourselves, which
 also avoids DeepSpeed's communication op build (`deepspeed.init_distributed` compiles a C++
 op on CPU). Under `deepspeed` or `torchrun` the launcher's environment gives rank and world.
-The optimizer is `torch.optim.AdamW` handed to DeepSpeed as the client optimizer (no op
-build); `engine.optimizer: deepspeed` selects DeepSpeed's own fused/CPU Adam instead.
+The optimizer is handed to DeepSpeed as the client optimizer (no op build). Without ZeRO it is the
+toolkit's `DeviceAdamW` (train/optimizer.py: fp32 masters, fused AdamW, the gradient clip on the
+device), and DeepSpeed's bf16 mode and clipping are off so that DeepSpeed does not wrap it in its
+`FP16_UnfusedOptimizer` (a host wait per parameter per step); the drafter is cast to bf16 here
+instead. With ZeRO 1-3 it is torch's AdamW (fused on CUDA) inside DeepSpeed's ZeRO optimizer.
+`engine.optimizer: deepspeed` selects DeepSpeed's own fused/CPU Adam instead.
 """
 
 from __future__ import annotations
@@ -106,13 +110,20 @@ def lr_lambda(total_steps: int, warmup_ratio: float, schedule: str, min_ratio: f
     return f
 
 
+def own_step(recipe: TrainRecipe) -> bool:
+    """Whether the optimizer step is the toolkit's DeviceAdamW (no ZeRO, torch optimizer): DeepSpeed then
+    neither clips nor runs its bf16 wrapper, and the drafter's bf16 weights are cast by build_engine."""
+    return recipe.engine.zero_stage == 0 and recipe.engine.optimizer == "torch"
+
+
 def deepspeed_config(recipe: TrainRecipe) -> dict:
+    own = own_step(recipe)
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": recipe.batch.grad_accum,
-        "gradient_clipping": recipe.optim.grad_clip,
+        "gradient_clipping": 0.0 if own else recipe.optim.grad_clip,  # DeviceAdamW clips on the device
         "zero_optimization": {"stage": recipe.engine.zero_stage},
-        "bf16": {"enabled": use_bf16(recipe)},
+        "bf16": {"enabled": use_bf16(recipe) and not own},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -128,11 +139,19 @@ def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
     """(engine, scheduler). The scheduler steps once per optimizer step, inside engine.step()."""
     import deepspeed
 
+    from dflash_train.train.optimizer import build_optimizer
+
     params = [p for p in model.parameters() if p.requires_grad]
     o = recipe.optim
     optimizer = None
-    if recipe.engine.optimizer == "torch":
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    own, bf16 = own_step(recipe), use_bf16(recipe)
+    if recipe.engine.optimizer == "torch":  # masters are taken from the fp32 weights, before any cast
+        optimizer = build_optimizer(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                                    grad_clip=o.grad_clip, own_step=own, fp32_masters=own and bf16)
+    if own and bf16:  # what DeepSpeed's bf16 mode does to the module: the weights, not the fp32 buffers
+        for p in model.parameters():
+            if p.dtype.is_floating_point:
+                p.data = p.data.to(torch.bfloat16)
     scheduler_fn = lr_lambda(total_steps, o.warmup_ratio, o.schedule, o.min_lr_ratio)
 
     def make_scheduler(opt):

@@ -27,7 +27,7 @@ from dflash_train.data.packing import plan_microbatches
 from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.train import checkpointing as ckpt
 from dflash_train.train.anchors import anchor_candidates
-from dflash_train.train.batches import build_microbatch, head_weight, microbatch_loss
+from dflash_train.train.batches import build_microbatch, head_rows, microbatch_loss
 from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, step_kernels
 from dflash_train.train.documents import (
     DocumentSource,
@@ -50,6 +50,7 @@ from dflash_train.train.engine import (
 from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.loss import BlockStats
 from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
+from dflash_train.train.prefetch import StepPrefetch
 from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, load_recipe, resolve_init_from
 
 
@@ -100,18 +101,27 @@ def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], ep
     return build_microbatch(docs, rows, block_size=recipe.drafter.block_size,
                             anchors_per_document=o.anchors_per_document, labels=o.labels, seed=recipe.seed,
                             epoch=epoch, gamma=o.gamma, pin_memory=device.type == "cuda",
+                            context_pad=recipe.batch.tokens_per_microbatch,
                             anchors=[anchor_candidates(d.loss_mask) for d in docs] if every_anchor else None)
 
 
-def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPlan, world: World,
-               step: int, guard: FiniteGuard, kernels: StepKernels) -> tuple[BlockStats, torch.Tensor]:
-    """One optimizer step; returns the global stats and the number of tokens the step read, both
-    on the device (read them when logging: reading them here would wait for the step to finish)."""
-    mbs, tokens = [], 0
+def step_batches(recipe: TrainRecipe, source: DocumentSource, plan: StepPlan, world: World, step: int) -> list:
+    """The micro-batches of global step `step` on this rank (host work; run ahead by StepPrefetch)."""
+    mbs = []
     for micro in range(recipe.batch.grad_accum):
         epoch, rows = plan.rows_for(step, micro, world.rank, world.size)
         mbs.append(_microbatch(recipe, source, rows, epoch, world.device))
-        tokens += mbs[-1].packed.input_ids.numel()
+    return mbs
+
+
+def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPlan, world: World,
+               step: int, guard: FiniteGuard, kernels: StepKernels, batches: list | None = None,
+               ) -> tuple[BlockStats, torch.Tensor]:
+    """One optimizer step on `batches` (built here when not given); returns the global stats and the
+    number of tokens the step read, both on the device (read them when logging: reading them here
+    would wait for the step to finish)."""
+    mbs = batches if batches is not None else step_batches(recipe, source, plan, world, step)
+    tokens = sum(mb.packed.input_ids.numel() for mb in mbs)
     global_weight = all_reduce_sum(sum(mb.weight_sum for mb in mbs), world.device).clamp(min=1e-12)
     stats = BlockStats.zeros(recipe.drafter.block_size, world.device)
     o = recipe.objective
@@ -127,6 +137,21 @@ def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPl
     return stats.all_reduce(), all_reduce_sum(tokens, world.device)
 
 
+def check_plan(recipe: TrainRecipe, source: DocumentSource, rows: list[int], labels: list[str] | None,
+               world: World) -> dict[str | None, list[list[int]]]:
+    """The periodic check's micro-batches on this rank: per source (None without a mixture), the rows of
+    each, packed as training packs them. The same order on every rank, so the all_reduces pair up."""
+    groups: dict[str | None, list[int]] = {}
+    for i in rows:
+        groups.setdefault(labels[i] if labels else None, []).append(i)
+    plan = {}
+    for label, members in groups.items():
+        bins = plan_microbatches([source.lengths[i] for i in members], recipe.batch.tokens_per_microbatch,
+                                 recipe.seed, 0)
+        plan[label] = [[members[i] for i in b] for b in bins[world.rank::world.size]]
+    return plan
+
+
 @torch.no_grad()
 def validate(engine, recipe: TrainRecipe, source: DocumentSource, rows: list[int], labels: list[str] | None,
              world: World, kernels: StepKernels) -> tuple[dict, dict] | None:
@@ -136,18 +161,13 @@ def validate(engine, recipe: TrainRecipe, source: DocumentSource, rows: list[int
     mixture each source's acceptance length: ({loss, acc, accept_len, positions}, {accept_len_<source>})."""
     if not rows:
         return None
-    groups: dict[str | None, list[int]] = {}
-    for i in rows:  # the same order on every rank, so the all_reduces pair up
-        groups.setdefault(labels[i] if labels else None, []).append(i)
     total = BlockStats.zeros(recipe.drafter.block_size, world.device)
     by_source = {}
     engine.module.eval()
-    for label, members in groups.items():
+    for label, bins in check_plan(recipe, source, rows, labels, world).items():
         stats = BlockStats.zeros(recipe.drafter.block_size, world.device)
-        bins = plan_microbatches([source.lengths[i] for i in members], recipe.batch.tokens_per_microbatch,
-                                 recipe.seed, 0)
-        for b in bins[world.rank::world.size]:
-            mb = _microbatch(recipe, source, [members[i] for i in b], 0, world.device, every_anchor=True)
+        for b in bins:
+            mb = _microbatch(recipe, source, b, 0, world.device, every_anchor=True)
             with forward_precision(recipe, world.device):
                 stats.add(microbatch_loss(engine.module, mb, loss=recipe.objective.loss,
                                           attention=kernels.attention, chunk=kernels.logits_chunk)[1])
@@ -340,7 +360,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     drafter.activation_checkpointing = recipe.engine.activation_checkpointing
     engine, scheduler = build_engine(drafter, recipe, plan.total)
     engine.module.attach_target(target_model)
-    kernels = step_kernels(recipe, world.device, head_weight(engine.module).shape[0])
+    kernels = step_kernels(recipe, world.device, head_rows(engine.module))
 
     state = {"step": 0, "tokens": 0, "positions": 0, "history": []}
     if resume and ckpt.step_folders(output):
@@ -381,34 +401,40 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     window = BlockStats.zeros(recipe.drafter.block_size, world.device)
     guard, lg = FiniteGuard(world.device, recipe.optim.lr, recipe.optim.grad_clip), recipe.logging
     t_loop = time.time()
-    for step in range(state["step"], plan.total):
-        with oom_guard(recipe, world.device):
-            stats, tokens = train_step(engine, recipe, source, plan, world, step, guard, kernels)
-        if step + 1 == plan.total or any((step + 1) % n == 0 for n in (lg.log_every, lg.eval_every,
-                                                                        recipe.checkpoint.save_every)):
-            guard.check()  # read once before anything is logged, validated or saved from this step
-        pending["tokens"] += tokens
-        pending["positions"] += stats.valid.sum()
-        window.add(stats)
-        done = step + 1
-        progress.step()
-        if done % recipe.logging.log_every == 0 or done == plan.total:
-            flush()
-            summary, lr = window.summary(), scheduler.get_last_lr()[0]
-            progress.show(summary, lr, state["positions"])
-            log.record(done, "train", summary, {"lr": lr, "tokens": state["tokens"],
-                                                "time_s": round(time.time() - t_loop, 3)})
-            window = BlockStats.zeros(recipe.drafter.block_size, world.device)
-        if done % recipe.logging.eval_every == 0 or done == plan.total:
+    # step s + 1's micro-batches are built on the host while the device runs step s (train/prefetch.py)
+    prefetch = StepPrefetch(lambda s: step_batches(recipe, source, plan, world, s), plan.total, world.device)
+    try:
+        for step in range(state["step"], plan.total):
             with oom_guard(recipe, world.device):
-                val = validate(engine, recipe, source, val_rows, labels, world, kernels)
-                fit = validate(engine, recipe, source, check_fit_rows, labels, world, kernels)
-            if val is not None:
-                log.record(done, "val", *val)
-            if fit is not None:
-                log.record(done, "fit", *fit)
-        if done % recipe.checkpoint.save_every == 0 or done == plan.total:
-            save(done)
+                stats, tokens = train_step(engine, recipe, source, plan, world, step, guard, kernels,
+                                           batches=prefetch.get(step))
+            if step + 1 == plan.total or any((step + 1) % n == 0 for n in (lg.log_every, lg.eval_every,
+                                                                            recipe.checkpoint.save_every)):
+                guard.check()  # read once before anything is logged, validated or saved from this step
+            pending["tokens"] += tokens
+            pending["positions"] += stats.valid.sum()
+            window.add(stats)
+            done = step + 1
+            progress.step()
+            if done % recipe.logging.log_every == 0 or done == plan.total:
+                flush()
+                summary, lr = window.summary(), scheduler.get_last_lr()[0]
+                progress.show(summary, lr, state["positions"])
+                log.record(done, "train", summary, {"lr": lr, "tokens": state["tokens"],
+                                                    "time_s": round(time.time() - t_loop, 3)})
+                window = BlockStats.zeros(recipe.drafter.block_size, world.device)
+            if done % recipe.logging.eval_every == 0 or done == plan.total:
+                with oom_guard(recipe, world.device):
+                    val = validate(engine, recipe, source, val_rows, labels, world, kernels)
+                    fit = validate(engine, recipe, source, check_fit_rows, labels, world, kernels)
+                if val is not None:
+                    log.record(done, "val", *val)
+                if fit is not None:
+                    log.record(done, "fit", *fit)
+            if done % recipe.checkpoint.save_every == 0 or done == plan.total:
+                save(done)
+    finally:
+        prefetch.close()  # also when a step fails: no build left running
     progress.close()
 
     # teardown: final drafter, curves, summary -------------------------------------------------

@@ -8,8 +8,10 @@ respect to the hidden states (softmax - target is closed-form), so a chunk's log
 before the next chunk starts and the backward pass never recomputes them (cheaper than
 activation checkpointing, which runs the head twice).
 
-Precision. fp32 hidden states run exactly as they always did (fp32 matmuls; a bf16 head is
-upcast per call). bf16/fp16 hidden states (the GPU engine) keep the head in its own dtype: the
+Precision (`head_matmul_dtype`). fp32 hidden states on CPU run exactly as they always did (fp32
+matmuls; a bf16 head is upcast per call); on a GPU against a half-precision head (`engine.precision:
+fp32` with the bf16 target head) each chunk of hidden states is rounded to the head's dtype instead,
+so the head is never copied to fp32. bf16/fp16 hidden states (the GPU engine) keep the head in its own dtype: the
 matmuls run on tensor cores with fp32 accumulation and fp32 output (`torch.mm(..., out_dtype=)`
 on CUDA; a half-precision product upcast elsewhere), the log-softmax and the loss are fp32 per
 chunk, and the softmax - target matrix is rounded to the head's dtype only to multiply it back.
@@ -69,6 +71,19 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a @ b).float()
 
 
+def head_matmul_dtype(hidden: torch.dtype, weight: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype the head's matmuls take their operands in (the product is fp32 either way):
+    half-precision hidden states keep theirs; fp32 hidden states run fp32 on CPU (exact, as before),
+    but on a GPU against a half-precision head (`engine.precision: fp32` with the bf16 target head)
+    they are rounded to the head's dtype per chunk, so no fp32 copy of the [V, H] head is made and the
+    matmuls run on tensor cores with fp32 accumulation."""
+    if hidden != torch.float32:
+        return hidden
+    if device_type == "cuda" and weight in (torch.bfloat16, torch.float16):
+        return weight
+    return torch.float32
+
+
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, target_ids, target_p, chunk, kind):
@@ -78,12 +93,12 @@ class _FusedHeadLoss(torch.autograd.Function):
         preds = torch.empty(m, dtype=torch.long, device=hidden.device)
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        half = hidden.dtype != torch.float32
-        # the head in the matmul dtype: fp32 for fp32 hidden states (as before), else the hidden dtype
-        w = weight.to(hidden.dtype) if half else (weight.float() if weight.dtype != torch.float32 else weight)
+        mm_dtype = head_matmul_dtype(hidden.dtype, weight.dtype, hidden.device.type)
+        half = mm_dtype != torch.float32
+        w = weight.to(mm_dtype)  # no copy when the head already has it (the bf16 target head on a GPU)
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
-            h = hidden[s:e] if half else hidden[s:e].float()
+            h = hidden[s:e].to(mm_dtype)
             logits = _mm(h, w.t())
             preds[s:e] = logits.argmax(-1)
             logp = torch.log_softmax(logits, dim=-1)

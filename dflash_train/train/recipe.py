@@ -202,6 +202,15 @@ class TrainRecipe(_Section):
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
 
+    @model_validator(mode="after")
+    def _zero3_head(self):
+        # the fused LM head reads its weight outside a module call; ZeRO-3 gathers a frozen head for it
+        # (train/batches.full_head_weight), but a trained head's gradient would miss its partitions
+        if self.engine.zero_stage == 3 and self.drafter.train_lm_head and self.drafter.draft_vocab_size:
+            raise ValueError("drafter.train_lm_head: a trained reduced-vocabulary head cannot run under "
+                             "engine.zero_stage 3; set engine.zero_stage 2 (or 0/1), or train_lm_head: false")
+        return self
+
 
 
 # fields that define what is trained: a run folder can only be resumed with the same values

@@ -79,6 +79,31 @@ def test_plan_groups_splits_widths_when_kv_reads_cost_more_than_a_group():
     assert [len(g) for g in hg.plan_groups(lengths, group_cost=4.5e9, **kw)] == [2, 40, 40, 20]
 
 
+def test_fixed_rows_fit_a_cache_of_every_width_together(smollm2):
+    """With the longest prompt known, one row count serves every ladder width up to it, and a kept cache
+    of each width plus one group's prefill at the widest fit in SAFETY x free memory."""
+    config = smollm2[0].config
+    widths = hg.ladder_up_to(1024)
+    assert widths == [64, 96, 128, 192, 256, 384, 512, 768, 1024] and hg.ladder_up_to(64) == [64]
+    free = 40 * 10**9
+    rows = hg.fixed_rows(config, 2, widths, 320, free)
+    caches = rows * sum(23040 * (w + 320) for w in widths)
+    prefill = rows * (hg.bytes_per_row(config, 2, 1024, 320) - 23040 * (1024 + 320))
+    assert rows % 16 == 0 and caches + prefill <= hg.SAFETY * free
+    bigger = (rows + 16) * (sum(23040 * (w + 320) for w in widths)) + (rows + 16) * prefill // rows
+    assert bigger > hg.SAFETY * free  # the largest multiple of 16 that fits
+    assert rows < hg.rows_that_fit(free, hg.bytes_per_row(config, 2, 1024, 320))  # one width alone: more
+
+
+def test_plan_groups_counts_padded_rows_when_every_group_is_full_size():
+    """Two prompts of width 128 and 14 of width 64, 16 rows per group: apart they read fewer positions,
+    unless each group runs all 16 rows anyway (a fixed row count), when one group is cheaper."""
+    lengths = [100, 110] + [40] * 14
+    kw = dict(rows_for=lambda w: 16, width_of=hg.ladder_width, group_cost=500, position_cost=1)
+    assert hg.plan_groups(lengths, **kw) == [[1, 0], list(range(2, 16))]
+    assert hg.plan_groups(lengths, pad_rows=True, **kw) == [[1, 0, *range(2, 16)]]
+
+
 @pytest.fixture(scope="module")
 def prompts(smollm2):
     from dflash_train.data.render import ChatRenderer
@@ -183,3 +208,32 @@ def test_compiled_static_decoding_equals_eager(train_tiny_target, smollm2, promp
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert compiled.generate(prompts) == eager.generate(prompts)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # it did compile
+
+
+def test_one_shape_and_one_kept_cache_per_width_across_calls(smollm2_path, smollm2, prompts, reference,
+                                                              monkeypatch):
+    """The regeneration path on CUDA (static cache; here eager on CPU), the longest prompt known: over
+    two calls with prompts of two widths, every group of a width has the same shape and the same cache
+    object (reset, never remade: a CUDA graph captured over its addresses stays valid), and the answers
+    are plain generate's."""
+    gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0, static_cache=True, max_prompt_length=256)
+    assert gen.widths == [64, 96, 128, 192, 256]
+    gen.max_rows = 4
+    long_prompts = [p + p[-30:] + p[-30:] for p in prompts[:3]]  # 80-120 tokens: width 96 or 128
+    long_ref = [_plain(*smollm2, p) for p in long_prompts]
+    seen = []
+    real = gen.model.generate
+
+    def spy(**kw):
+        seen.append((tuple(kw["input_ids"].shape), id(kw["past_key_values"])))
+        return real(**kw)
+
+    monkeypatch.setattr(gen.model, "generate", spy)
+    assert gen.generate(prompts + long_prompts) == reference + long_ref
+    first = len(seen)
+    assert gen.generate(long_prompts[::-1] + prompts[:2]) == long_ref[::-1] + reference[:2]
+    assert len(seen) > first and all(rows == 4 for (rows, _), _ in seen)  # one row count: a partial group is padded
+    caches = {}
+    for (_, width), cache in seen:
+        caches.setdefault(width, set()).add(cache)
+    assert len(caches) >= 2 and all(len(ids) == 1 for ids in caches.values()), caches  # one cache per width

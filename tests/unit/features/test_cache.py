@@ -334,3 +334,76 @@ def test_a_cache_without_greedy_tokens_skips_the_head_and_keeps_the_features(cac
     FeatureCache(cache, greedy=True)  # a cache with greedy tokens serves either
     with pytest.raises(DataError, match="greedy_next: False there, True now"):
         write_feature_cache(None, prepared, lean, batch_size=3, rows_per_shard=4, model=model)
+
+
+def _rewritten_copy(cache, tmp_path, change, stamp=True):
+    """A copy of `cache` whose shard 0 tensors went through `change` (its manifest entry's size updated;
+    the write-time finiteness stamp kept or dropped, as a cache from before the stamp)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "copy"
+    shutil.copytree(cache, copy)
+    shard = copy / "shard-00000.safetensors"
+    tensors = load_file(str(shard))
+    change(tensors)
+    save_file(tensors, str(shard))
+    m = json.loads((copy / MANIFEST_FILE).read_text())
+    m["shards"][0]["bytes"] = shard.stat().st_size
+    if not stamp:
+        m["shards"][0].pop("finite")
+    (copy / MANIFEST_FILE).write_text(json.dumps(m))
+    return copy
+
+
+def test_rows_are_checked_finite_when_written_and_read_with_no_check(cache, monkeypatch):
+    """Each finished shard carries the write-time stamp; reading every row then runs no isfinite and no
+    per-row comparison with the prepared data (that happens once per shard, when it is opened)."""
+    m = json.loads((cache / MANIFEST_FILE).read_text())
+    assert all(s["finite"] is True for s in m["shards"])
+    fc = FeatureCache(cache)
+    fc.document(0), fc.document(5)  # open both shards (their one check against the prepared rows)
+    calls = []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: calls.append(1) or real(t))
+    data = fc._prepared()
+    monkeypatch.setattr(type(data), "__getitem__", lambda *a: calls.append("row") or pytest.fail("a row read"))
+    docs = [fc.document(i) for i in range(len(fc))]
+    assert calls == [] and sum(len(d.input_ids) for d in docs) == m["num_tokens"]
+
+
+def test_a_non_finite_feature_stops_the_write_naming_the_row(prepared, smollm2, tmp_path, monkeypatch):
+    from dflash_train.features import online
+
+    real = online.target_forward
+
+    def poisoned(model, layer_ids, ids, *args, **kwargs):
+        feats, *rest = real(model, layer_ids, ids, *args, **kwargs)
+        feats = feats.clone()
+        feats[0, 2, 7] = float("nan")  # the first row of the batch, within its length
+        return (feats, *rest)
+
+    monkeypatch.setattr(online, "target_forward", poisoned)
+    with pytest.raises(DataError, match=r"non-finite features for row \d+ of .*--target-dtype float32"):
+        write_feature_cache(None, prepared, tmp_path / "nan", batch_size=3, rows_per_shard=4, model=smollm2[0])
+
+
+def test_an_unstamped_shard_is_checked_per_row_and_a_tampered_one_when_opened(cache, tmp_path):
+    def nan_row_1(t):
+        offsets = t["row_offsets"]
+        t["features"][int(offsets[1]) + 1, 0] = float("nan")
+
+    old = _rewritten_copy(cache, tmp_path / "old", nan_row_1, stamp=False)
+    fc = FeatureCache(old)
+    fc.document(0)
+    with pytest.raises(DataError, match="row 1 has non-finite features"):
+        fc.document(1)
+
+    def other_ids(t):
+        offsets = t["row_offsets"]
+        t["input_ids"][int(offsets[2])] += 1
+
+    tampered = _rewritten_copy(cache, tmp_path / "ids", other_ids)
+    with pytest.raises(DataError, match="row 2 holds other tokens than the prepared data"):
+        FeatureCache(tampered).document(0)  # found when the shard opens, whichever row is read

@@ -92,3 +92,35 @@ def test_head_outputs_never_hold_more_than_a_chunk_of_logits(smollm2, ids):
     logits = head(final)
     assert torch.equal(greedy, logits.argmax(-1))
     assert torch.equal(top_ids.long(), torch.log_softmax(logits, -1).topk(4, dim=-1).indices)
+
+
+@pytest.mark.slow
+def test_greedy_labels_come_chunk_by_chunk_and_equal_the_full_argmax(smollm2):
+    """with_next_tokens (the online and memory feature modes): the greedy next tokens equal the argmax
+    of the full forward's logits, and no tensor as large as the [B, T, V] logits is ever made: the head
+    runs over 256 positions at a time (here 2 x 140 positions)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    model, _ = smollm2
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(20, 49000, (2, 140), generator=torch.Generator().manual_seed(1))
+
+    class Largest(TorchDispatchMode):
+        biggest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # logits-like results (the head's transposed view [H, V] is not an allocation)
+            sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() > 1
+                     and t.shape[-1] == vocab and t.shape[-2] != 576]
+            Largest.biggest = max([Largest.biggest, *sizes])
+            return out
+
+    with Largest():
+        out = TargetFeatures(model, [2, 9, 29])(ids, with_next_tokens=True)
+    assert Largest.biggest == 256 * vocab  # one chunk of logits, not 280 positions' worth
+    ref = model(ids, output_hidden_states=True)
+    assert torch.equal(out.next_tokens, ref.logits.argmax(-1))
+    torch.testing.assert_close(out.features, torch.cat([ref.hidden_states[t + 1] for t in [2, 9, 29]], -1),
+                               rtol=0, atol=1e-5)

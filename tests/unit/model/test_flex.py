@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import _ordered_to_dense, create_block_mask
 
-from dflash_train.model.flex import TILE, _flex_call, bucket, compiled_flex, training_block_mask
+from dflash_train.model.flex import TILE, _flex_call, bucket, compiled_flex, query_bucket, training_block_mask
 from dflash_train.model.modeling_dflash import DFlashDraftModel, dense_training_mask, train_layout
 
 
@@ -50,7 +50,7 @@ def test_block_mask_equals_torch_reference_and_mask_mod_is_the_training_mask(win
         q_len, kv_len = mask.seq_lengths
         n, b = layout.block_positions.shape
         t, t_pad = layout.ctx_positions.numel(), kv_len - q_len
-        assert (q_len, t_pad) == (bucket(n * b), bucket(t))
+        assert (q_len, t_pad) == (query_bucket(n * b), bucket(t))
         ref = create_block_mask(mask.mask_mod, None, None, q_len, kv_len, device="cpu")  # evaluates every pair
         mine_any, ref_any = mask.to_dense()[0, 0].bool(), ref.to_dense()[0, 0].bool()
         mine_full, ref_full = _full_tiles(mask), _full_tiles(ref)
@@ -119,6 +119,37 @@ def test_compiled_flex_forward_equals_dense_and_compiles_once_per_bucket(tiny_co
     assert compiled == [2, 2, 2, 4]
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_flex_gets_q_k_v_in_one_dtype_under_bf16_mixed(tiny_config, monkeypatch, autocast):
+    """`engine.precision: bf16-mixed`: fp32 weights, the forward under autocast. q and k leave RMSNorm
+    and RoPE in fp32 while v leaves its linear layer in bf16, a mix the flex kernel refuses; the call
+    gets all three in bf16. Without autocast all stay fp32. (The compiled kernel is replaced by a
+    recorder: torch has no CPU flex backward, and the dtype choice is made before the call.)"""
+    import dflash_train.model.flex as flex
+
+    seen = []
+
+    def kernel(q, k, v, block_mask, scale):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(flex, "compiled_flex", lambda: kernel)
+    model = _model(tiny_config)
+    feats, blocks, layout = _inputs(model, [50, 30], [2, 20, 51, 70])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        attn = model.layers[0].self_attn
+        h = blocks.requires_grad_()
+        cos, sin = model.rotary_emb(layout.block_positions, h.dtype)
+        q, (_, v) = attn.project_queries(h, cos, sin), attn.project_kv(h, cos, sin)
+        out = model.forward_train(feats, h, layout, attention="flex")
+    want = torch.bfloat16 if autocast else torch.float32
+    if autocast:
+        assert (q.dtype, v.dtype) == (torch.float32, torch.bfloat16)  # the mix flex would refuse
+    assert seen == [(want, want, want)] * tiny_config.num_hidden_layers
+    out.float().sum().backward()  # the casts are differentiable: gradients reach the fp32 weights
+    assert model.layers[0].self_attn.o_proj.weight.grad.dtype == torch.float32
+
+
 def test_flex_never_runs_eagerly():
     q = torch.randn(1, 2, 128, 8)
     layout = _layout([100], [3, 50], 4)
@@ -157,3 +188,36 @@ def test_compiled_flex_forward_and_grads_equal_dense_on_gpu(tiny_config, dtype):
             torch.testing.assert_close(pf[name], pd[name], rtol=tol, atol=tol, msg=name)
     # both micro-batches share one bucket: one kernel per layer kind (window, full), forward and backward
     assert counters["stats"]["unique_graphs"] - base == 2
+
+
+def test_query_lengths_pad_to_powers_of_two_tiles_and_the_context_to_the_run_budget():
+    assert [query_bucket(n) for n in (1, 128, 129, 256, 257, 5000, 8192, 8193)] == \
+        [128, 128, 256, 256, 512, 8192, 8192, 16384]
+    # the query rows of a run's micro-batches (here 4K..128K) fall in at most 6 sizes, half the 1.5x ladder's
+    sizes = range(4096, 131073, 512)
+    assert len({query_bucket(n) for n in sizes}) == 6 and len({bucket(n) for n in sizes}) == 11
+    layout = _layout([100, 60], [3, 50, 120], 4)
+    mask = training_block_mask(layout.anchors, layout.doc_start, layout.ctx_positions, layout.block_positions,
+                               None, ctx_len=1000)
+    assert mask.seq_lengths == (128, bucket(1000) + 128)  # 160 context tokens, padded to the budget's bucket
+
+
+@pytest.mark.gpu
+def test_compiled_flex_under_bf16_mixed_autocast_equals_dense_on_gpu(tiny_config):
+    """`engine.precision: bf16-mixed` on a GPU: fp32 weights, the forward under autocast, through the real
+    compiled kernel (q/k/v cast to bf16 before it), forward and backward, to bf16 tolerance of dense."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    results = {}
+    for attention in ("flex", "dense"):
+        model = _model(tiny_config).to("cuda")
+        model.attach_target_weights(model._target_embed.cuda(), model._target_lm_head.cuda())
+        feats, blocks, layout = _inputs(model, [50, 30], [2, 20, 51, 70])
+        layout = layout.to(torch.device("cuda"))
+        f = feats.cuda().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model.forward_train(f, blocks.cuda(), layout, attention=attention)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).mean().backward()
+        results[attention] = (out.float(), f.grad.float(), model.fc.weight.grad.float())
+    for a, b in zip(results["flex"], results["dense"], strict=True):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

@@ -287,3 +287,67 @@ def test_kl_to_a_one_hot_topk_on_the_greedy_token_is_the_greedy_cross_entropy(re
                               epoch=0)
         more, _ = microbatch_loss(model, mb, loss="kl", chunk=16)
         assert float(more.detach()) > float(ce.detach()) + 1.0  # the slots ce skips now carry a loss
+
+
+def zero_stage_step(stage: int) -> dict:
+    """One training step of a reduced-vocabulary drafter (frozen head) through a real DeepSpeed engine at
+    `stage` (fp32, gloo world of one): the loss, and every weight after the step, gathered."""
+    from dflash_train.model.init import reduce_drafter_vocab
+    from dflash_train.train.batches import head_rows
+    from dflash_train.train.engine import build_engine, gathered_params, init_distributed
+    from dflash_train.train.recipe import load_recipe
+
+    init_distributed()
+    model = tiny_model(layers=1)
+    counts = torch.arange(V, dtype=torch.float64)
+    model = reduce_drafter_vocab(model, counts, 64, model._target_lm_head)
+    model.attach_target_weights(tiny_model(layers=1)._target_embed, tiny_model(layers=1)._target_lm_head)
+    model.lm_head.weight.requires_grad_(False)
+    recipe = load_recipe(None, base={"data": {"prepared": "rows"}, "optim": {"lr": 1e-2},
+                                     "engine": {"zero_stage": stage, "precision": "fp32"}}).recipe
+    engine, _ = build_engine(model, recipe, 10)
+    mb = build_microbatch(random_docs([40, 30]), [0, 1], block_size=4, anchors_per_document=6, labels="greedy",
+                          seed=0, epoch=0)
+    loss, stats = microbatch_loss(engine.module, mb)
+    engine.backward(loss)
+    engine.step()
+    with gathered_params(engine):
+        weights = {k: v.detach().clone().tolist() for k, v in engine.module.named_parameters()}
+    return {"loss": float(loss), "rows": head_rows(engine.module), "weights": weights,
+            "partitioned": hasattr(engine.module.lm_head.weight, "ds_id")}
+
+
+@pytest.mark.slow
+def test_zero3_reads_the_partitioned_frozen_head_gathered_and_equals_zero0():
+    """ZeRO-3 partitions the reduced head, which the fused head reads outside a module call: it is gathered
+    for the head (batches.full_head_weight), so a ZeRO-3 step equals a ZeRO-0 step. Real DeepSpeed on
+    CPU/gloo, each stage in its own process (a process group per run)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    results = {}
+    for stage in (0, 3):
+        code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"from test_batches import zero_stage_step; print(json.dumps(zero_stage_step({stage})))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                             env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[stage] = json.loads(out.stdout.strip().splitlines()[-1])
+    z0, z3 = results[0], results[3]
+    assert z3["partitioned"] and not z0["partitioned"] and z3["rows"] == z0["rows"] == 64
+    assert abs(z3["loss"] - z0["loss"]) <= 1e-5 * abs(z0["loss"])
+    for name, w in z0["weights"].items():
+        torch.testing.assert_close(torch.tensor(z3["weights"][name]), torch.tensor(w), rtol=1e-5, atol=1e-6,
+                                   msg=name)
+    assert z3["weights"]["lm_head.weight"] == z0["weights"]["lm_head.weight"]  # frozen: untouched
+
+
+def test_a_trained_reduced_head_under_zero3_is_refused_by_the_recipe():
+    from dflash_train.errors import ConfigError
+    from dflash_train.train.recipe import load_recipe
+
+    with pytest.raises(ConfigError, match="train_lm_head.*zero_stage 2"):
+        load_recipe(None, base={"data": {"prepared": "rows"}, "engine": {"zero_stage": 3},
+                                "drafter": {"draft_vocab_size": 64, "train_lm_head": True}})

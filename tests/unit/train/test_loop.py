@@ -252,23 +252,28 @@ def test_bf16_mixed_stays_closer_to_fp32_than_bf16_weights(reference_run, tmp_pa
 
 
 class _EngineOnMeta:
-    """DeepSpeed cannot run on the meta device: the same calls (backward, step) on the bare module."""
+    """DeepSpeed cannot run on the meta device: the same calls (backward, step) on the bare module, with
+    the optimizer step DeepSpeed runs without ZeRO (DeviceAdamW) at the accumulation boundary."""
 
-    def __init__(self, module):
-        self.module, self.steps = module, 0
+    def __init__(self, module, optimizer, grad_accum):
+        self.module, self.optimizer, self.grad_accum, self.steps = module, optimizer, grad_accum, 0
 
     def backward(self, loss, scale_wrt_gas=True):
         loss.backward()
 
     def step(self):
         self.steps += 1
+        if self.steps % self.grad_accum == 0:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
 
 
 @pytest.mark.parametrize("attention, loss", [("split", "ce"), ("dense", "ce"), ("split", "kl")])
 def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attention, loss):
     """The whole step with the drafter on the meta device, where every read of a device value (item,
     float, .cpu(), a boolean-mask index, a data-dependent shape) raises: the statistics, token count
-    and loss scale stay on the device until the loop logs them; kl's top-k teacher too."""
+    and loss scale stay on the device until the loop logs them; kl's top-k teacher too; and the optimizer
+    step after the last micro-batch (fp32 masters, the clip norm, AdamW) reads nothing either."""
     from dflash_train.features.target import load_target
     from dflash_train.model.config import DFlashConfig
     from dflash_train.model.modeling_dflash import DFlashDraftModel
@@ -277,6 +282,7 @@ def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attent
     from dflash_train.train.engine import World
     from dflash_train.train.finite import FiniteGuard
     from dflash_train.train.loop import StepPlan, train_step
+    from dflash_train.train.optimizer import DeviceAdamW
     from dflash_train.train.recipe import load_recipe
 
     recipe = load_recipe(None, base={"data": {"prepared": str(train_prepared), "features": "memory"},
@@ -296,10 +302,105 @@ def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attent
     model.activation_checkpointing = True
     head = target.get_output_embeddings().weight
     model.attach_target_weights(torch.empty(head.shape, device=meta), torch.empty(head.shape, device=meta))
-    engine = _EngineOnMeta(model)
+    model.to(torch.bfloat16)  # engine.precision bf16 without ZeRO: bf16 weights, fp32 masters in the optimizer
+    optimizer = DeviceAdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
+                            fp32_masters=True)
+    engine = _EngineOnMeta(model, optimizer, recipe.batch.grad_accum)
     stats, tokens = train_step(engine, recipe, source, plan, World(0, 1, 0, meta), 0,
                                FiniteGuard(meta, 1e-3, 1.0), StepKernels(attention, 64))
     assert engine.steps == 2 and tokens.device == meta and stats.loss_sum.device == meta
-    assert all(p.grad is not None and p.grad.device == meta for p in model.parameters())
+    # the optimizer stepped (clip norm, AdamW state, masters copied back) and cleared the gradients
+    assert optimizer._global_grad_norm.device == meta and all(p.grad is None for p in model.parameters())
+    assert all(optimizer.state[m]["exp_avg"].device == meta for m in optimizer.masters)
     with pytest.raises((RuntimeError, NotImplementedError)):
         stats.summary()  # the negative control: the loop's log-time read would raise here
+
+
+def test_a_whole_run_with_its_checks_needs_few_flex_compiles(train_tiny_target, train_prepared):
+    """Compiled flex builds one kernel per (query length, key length) x layer kind x grad mode. Every
+    micro-batch of a whole short run (all steps of both epochs) and of its held-out and fit checks, as
+    the loop builds them: the block masks' padded lengths give at most 10 compiles (one layer kind;
+    training with grads, the checks without), every one with the same context length. (CPU has no flex
+    backward, so the shapes are counted, not compiled; one compile per shape is test_flex.py's.)"""
+    from dflash_train.features.target import load_target
+    from dflash_train.model.flex import bucket
+    from dflash_train.train.documents import DocumentSource, fit_rows, holdout_split, load_rows, validation_rows
+    from dflash_train.train.engine import World
+    from dflash_train.train.loop import StepPlan, _microbatch, check_plan, step_batches
+    from dflash_train.train.recipe import load_recipe
+
+    recipe = load_recipe(_recipe(Path(train_prepared).parent.parent, train_tiny_target, train_prepared)).recipe
+    target, _ = load_target(str(train_tiny_target), dtype=torch.float32, device="cpu")
+    rows = load_rows(train_prepared)
+    labels = list(rows["source"]) if "source" in rows.column_names else None
+    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.seed)
+    source = DocumentSource(rows, "memory", target, [1, 3], target_hidden=64)
+    world = World(0, 1, 0, torch.device("cpu"))
+    plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, 1)
+    train_mbs = [mb for step in range(plan.total) for mb in step_batches(recipe, source, plan, world, step)]
+    check = [validation_rows(held, labels, recipe.logging.eval_documents),
+             fit_rows(train_rows, labels, recipe.logging.eval_documents, recipe.seed)]
+    check_mbs = [_microbatch(recipe, source, b, 0, world.device, every_anchor=True)
+                 for rs in check for bins in check_plan(recipe, source, rs, labels, world).values() for b in bins]
+    compiles = ({("grad", *mb.layout.flex_mask(None).seq_lengths) for mb in train_mbs}
+                | {("no_grad", *mb.layout.flex_mask(None).seq_lengths) for mb in check_mbs})
+
+    assert len(train_mbs) == 2 * plan.total and len(check_mbs) >= 2
+    assert {kv - q for _, q, kv in compiles} == {bucket(recipe.batch.tokens_per_microbatch)}  # one context length
+    assert len(compiles) <= 10, sorted(compiles)
+
+
+def gpu_step_syncs(target: str, prepared: str) -> dict:
+    """A whole training step on a GPU through the real DeepSpeed engine (ZeRO-0, bf16, DeviceAdamW, split
+    attention, memory features), its second step under torch's sync debug mode set to raise on any
+    host-device synchronisation. Run in its own process (a process group, a global debug mode)."""
+    from dflash_train.features.target import load_target
+    from dflash_train.model.config import DFlashConfig
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.train.device import StepKernels
+    from dflash_train.train.documents import DocumentSource, load_rows
+    from dflash_train.train.engine import build_engine, init_distributed
+    from dflash_train.train.finite import FiniteGuard
+    from dflash_train.train.loop import StepPlan, step_batches, train_step
+    from dflash_train.train.recipe import load_recipe
+
+    world = init_distributed()
+    recipe = load_recipe(None, base={"data": {"prepared": prepared, "features": "memory"},
+                                     "drafter": {"num_layers": 2, "block_size": 4, "mask_token_id": 16},
+                                     "batch": {"tokens_per_microbatch": 256, "grad_accum": 2},
+                                     "engine": {"precision": "bf16"}}).recipe
+    target, _ = load_target(target, dtype=torch.bfloat16, device=str(world.device))
+    source = DocumentSource(load_rows(prepared), "memory", target, [1, 3], target_hidden=64)
+    plan = StepPlan(list(range(len(source))), source.lengths, recipe, 1)
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=49152, draft_vocab_size=49152,
+                       target_hidden_size=64, num_target_layers=6, aux_hidden_state_layer_ids=[2, 4], block_size=4,
+                       mask_token_id=16, dtype="float32")
+    model = DFlashDraftModel(cfg)
+    model.init_weights(seed=0)
+    engine, _ = build_engine(model.to(world.device), recipe, plan.total)
+    engine.module.attach_target(target)
+    guard, kernels = FiniteGuard(world.device, 1e-3, 1.0), StepKernels("split", 1024)
+    train_step(engine, recipe, source, plan, world, 0, guard, kernels)  # warm-up: optimizer state, allocator
+    batches = step_batches(recipe, source, plan, world, 1)  # host work, as the prefetch thread does it
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats, tokens = train_step(engine, recipe, source, plan, world, 1, guard, kernels, batches=batches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {"optimizer": type(engine.optimizer).__name__, "loss": stats.summary()["loss"], "tokens": int(tokens)}
+
+
+@pytest.mark.gpu
+def test_a_whole_gpu_step_never_synchronises(train_tiny_target, train_prepared):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    here = Path(__file__).resolve().parent
+    code = (f"import sys, json; sys.path.insert(0, {str(here)!r}); from test_loop import gpu_step_syncs; "
+            f"print(json.dumps(gpu_step_syncs({str(train_tiny_target)!r}, {str(train_prepared)!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["optimizer"] == "DeviceAdamW" and r["tokens"] > 0 and r["loss"] > 0

@@ -12,6 +12,7 @@ from dflash_train.train.loss import (
     auto_logits_chunk,
     block_stats,
     head_loss,
+    head_matmul_dtype,
     reference_head_loss,
     slot_correct,
     topk_soft_targets,
@@ -135,6 +136,36 @@ def test_bf16_head_is_never_copied():
         assert sum(shape == tuple(head.shape) for shape, _ in allocs.seen) == copies
 
 
+def test_head_matmul_dtype_keeps_cpu_fp32_exact_and_never_upcasts_a_gpu_head():
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert head_matmul_dtype(f32, f32, "cuda") == f32 and head_matmul_dtype(f32, bf16, "cpu") == f32
+    assert head_matmul_dtype(f32, bf16, "cuda") == bf16  # engine.precision fp32 with the bf16 target head
+    assert head_matmul_dtype(bf16, bf16, "cpu") == bf16 and head_matmul_dtype(bf16, f32, "cuda") == bf16
+
+
+def test_fp32_hidden_against_a_bf16_head_on_gpu_takes_the_bf16_path(monkeypatch):
+    """`engine.precision: fp32` on a GPU: fp32 hidden states, the bf16 target head. The CUDA choice of
+    `head_matmul_dtype` (patched in on CPU) rounds the hidden chunks instead of copying the head to fp32,
+    and stays within bf16 rounding of the fp32 head; the gradient keeps the hidden states' fp32."""
+    import dflash_train.train.loss as loss_mod
+
+    real = loss_mod.head_matmul_dtype
+    hidden, weight, labels, w, _ = _head_inputs(v=997)
+    head = weight.bfloat16()
+    ref = hidden.clone().requires_grad_()
+    ref_loss, ref_pred = head_loss(ref, head.float(), labels, w, chunk=32)
+    ref_loss.backward()
+    monkeypatch.setattr(loss_mod, "head_matmul_dtype", lambda h, wd, _dev: real(h, wd, "cuda"))
+    h = hidden.clone().requires_grad_()
+    with _Allocations() as allocs:
+        out, pred = head_loss(h, head, labels, w, chunk=32)
+        out.backward()
+    assert sum(shape == tuple(head.shape) for shape, _ in allocs.seen) == 0  # the old path made one fp32 copy
+    assert h.grad.dtype == torch.float32 and abs(float(out) - float(ref_loss)) <= 5e-3 * abs(float(ref_loss))
+    assert (pred == ref_pred).float().mean() >= 0.95
+    assert (h.grad - ref.grad).abs().max() <= 3e-2 * ref.grad.abs().max()
+
+
 def test_auto_logits_chunk_fits_two_gib_on_gpu_and_stays_1024_on_cpu():
     assert auto_logits_chunk(151936, "cpu") == 1024
     assert auto_logits_chunk(151936, "cuda") == 1280 and auto_logits_chunk(49152, "cuda") == 4352
@@ -150,14 +181,18 @@ def test_bf16_head_on_gpu_equals_the_fp32_head():
         pytest.skip("needs a CUDA GPU")
     hidden, weight, labels, w, _ = (t.cuda() for t in _head_inputs(m=700, h=256, v=32000))
     results = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        h = hidden.to(dtype, copy=True).requires_grad_()
-        out, pred = head_loss(h, weight.to(dtype), labels, w, chunk=auto_logits_chunk(32000, "cuda"))
+    # fp32 hidden against the bf16 head: `engine.precision: fp32` on a GPU (the head is never upcast)
+    for name, (hd, wd) in {"fp32": (torch.float32,) * 2, "bf16": (torch.bfloat16,) * 2,
+                           "fp32-hidden": (torch.float32, torch.bfloat16)}.items():
+        h = hidden.to(hd, copy=True).requires_grad_()
+        out, pred = head_loss(h, weight.to(wd), labels, w, chunk=auto_logits_chunk(32000, "cuda"))
         out.backward()
-        results[dtype] = (float(out), pred, h.grad.float())
-    (l32, p32, g32), (l16, p16, g16) = results[torch.float32], results[torch.bfloat16]
-    assert abs(l16 - l32) <= 2e-3 * abs(l32) and (p16 == p32).float().mean() >= 0.95
-    assert (g16 - g32).abs().max() <= 3e-2 * g32.abs().max()
+        results[name] = (float(out), pred, h.grad.float())
+    l32, p32, g32 = results["fp32"]
+    for name in ("bf16", "fp32-hidden"):
+        l16, p16, g16 = results[name]
+        assert abs(l16 - l32) <= 2e-3 * abs(l32) and (p16 == p32).float().mean() >= 0.95, name
+        assert (g16 - g32).abs().max() <= 3e-2 * g32.abs().max(), name
 
 
 def test_accept_lengths_stop_at_the_first_wrong_or_unlabelled_slot():

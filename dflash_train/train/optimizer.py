@@ -1,0 +1,116 @@
+"""The optimizer step without host waits: AdamW over fp32 master weights, the gradient clip on the device.
+
+DeepSpeed wraps a client optimizer for bf16 weights without ZeRO in its `FP16_UnfusedOptimizer`, which
+reads `bool(tensor)` once per parameter (its overflow check) and `.item()` for the gradient norm: a
+host wait per parameter per step, so the GPU idles while the host catches up. Without ZeRO the engine
+therefore gets this optimizer with DeepSpeed's bf16 mode and its gradient clipping off
+(`engine.deepspeed_config`), and the step is all device work:
+
+1. the model's gradients (bf16 under `engine.precision: bf16`) are cast to fp32 master gradients,
+2. the global gradient norm and the clip factor min(1, clip / (norm + 1e-6)) stay tensors on the
+   device (`torch.nn.utils.get_total_norm`, then one multi-tensor multiply; no comparison on the host),
+3. AdamW updates the fp32 masters: `fused=True` (one kernel for all tensors) on CUDA and CPU; the
+   multi-tensor `foreach` path elsewhere (the meta device of the no-host-read test),
+4. the masters are copied back into the model's weights.
+
+With fp32 weights (`fp32`, `bf16-mixed`) the masters are the weights themselves. The masters are part of
+`state_dict()`, so a resumed run continues from the same fp32 values. ZeRO 1-3 keep DeepSpeed's own
+partitioned optimizers (and their clipping); they get a fused AdamW as the inner optimizer on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+FUSED_DEVICES = ("cuda", "cpu")  # torch's fused AdamW kernels (CUDA since 2.0, CPU since 2.4)
+
+
+def fused_for(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW can step these tensors (all floating point, on one fused device type)."""
+    return bool(params) and all(p.dtype.is_floating_point and p.device.type in FUSED_DEVICES for p in params)
+
+
+class DeviceAdamW(torch.optim.AdamW):
+    """AdamW on fp32 masters of `params` with the gradient clip computed on the device.
+
+    `fp32_masters`: keep fp32 copies of the weights (taken now, before the caller casts the model to
+    bf16); otherwise the weights are stepped in place. `grad_clip` <= 0: no clipping."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
+                 weight_decay: float, grad_clip: float, fp32_masters: bool):
+        self.model_params = [p for p in params if p.requires_grad]
+        self.separate = fp32_masters
+        masters = ([torch.nn.Parameter(p.detach().float().clone()) for p in self.model_params] if fp32_masters
+                   else self.model_params)
+        fused = fused_for(masters)
+        super().__init__(masters, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None,
+                         foreach=None if fused else True)
+        self.masters = masters
+        self.grad_clip = float(grad_clip)
+        self._global_grad_norm = None  # DeepSpeed copies it to engine._global_grad_norm (a device tensor)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        pairs = [(p, m) for p, m in zip(self.model_params, self.masters, strict=True) if p.grad is not None]
+        if self.separate:
+            for p, m in pairs:
+                m.grad = p.grad.to(torch.float32)
+        live = [m for _, m in pairs]
+        if self.grad_clip > 0 and live:
+            grads = [m.grad for m in live]
+            norm = torch.nn.utils.get_total_norm(grads)  # foreach where the device has it
+            coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no comparison on the host
+            if all(g.device.type in FUSED_DEVICES for g in grads):
+                torch._foreach_mul_(grads, coef)
+            else:
+                for g in grads:
+                    g.mul_(coef)
+            self._global_grad_norm = norm
+        loss = super().step(closure)
+        if self.separate and pairs:
+            model, master = [p for p, _ in pairs], [m for _, m in pairs]
+            if hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(model, master)  # casts to the model's dtype
+            else:
+                for p, m in pairs:
+                    p.copy_(m)
+            for m in master:
+                m.grad = None  # the fp32 gradients live only inside the step
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.model_params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        if self.separate:
+            sd["fp32_masters"] = [m.detach().clone() for m in self.masters]
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("fp32_masters", None)
+        if (self.separate and masters is None) or "param_groups" not in state_dict:
+            raise ValueError("optimizer state without this optimizer's fp32 master weights (saved by another "
+                             "precision, optimizer or version: DeepSpeed's bf16 wrapper before DeviceAdamW); "
+                             "resume with the settings and version the run was started with")
+        super().load_state_dict(state_dict)
+        if self.separate:
+            with torch.no_grad():
+                for m, saved in zip(self.masters, masters, strict=True):
+                    m.copy_(saved)
+
+
+def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
+                    weight_decay: float, grad_clip: float, own_step: bool, fp32_masters: bool):
+    """`own_step` (no ZeRO): a DeviceAdamW that clips on the device. Otherwise torch's AdamW for
+    DeepSpeed's ZeRO optimizers to wrap (fused on CUDA; they clip themselves)."""
+    if own_step:
+        return DeviceAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
+                           fp32_masters=fp32_masters)
+    fused = torch.cuda.is_available() and fused_for(params)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)

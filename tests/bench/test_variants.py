@@ -1,0 +1,70 @@
+"""The GPU benches' command-line shape (bench/variants.py), on CPU: `--list`, one variant per call, one
+JSON line per finished variant appended at once, and a failed variant recorded as a row with its error
+while the run goes on. Real subprocesses of the bench scripts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench(script, *args, timeout=300):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def _rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("script, names", [
+    ("bench_train_gpu.py", ["split-1", "flex-1", "dense-1", "split-5", "flex-5", "dense-5", "flex-ckpt-5", "train"]),
+    ("bench_gpu_data.py", ["regen", "regen-f25d61f", "features"])])
+def test_list_prints_every_variant_and_an_unknown_one_is_refused(script, names):
+    out = _bench(script, "--list", timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [line.split()[0] for line in out.stdout.splitlines()] == names
+    bad = _bench(script, "--variant", "nope", timeout=60)
+    assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_each_variant_appends_its_row_and_a_failure_is_a_row_too(tmp_path):
+    """Three calls into one --json file: a measured variant, a CPU-impossible one (flex: an error row
+    without a subprocess) and one that runs past --timeout (killed: an error row, the run goes on)."""
+    rows = tmp_path / "rows.jsonl"
+    ok = _bench("bench_train_gpu.py", "--smoke", "--variant", "split-1", "--json", rows)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert len(_rows(rows)) == 1  # written by the time the call returns
+    na = _bench("bench_train_gpu.py", "--smoke", "--variant", "flex-1", "--json", rows)
+    assert na.returncode == 0
+    # 0.5 s is less than the child needs to import torch: killed; the next variant still runs
+    slow = _bench("bench_train_gpu.py", "--smoke", "--variant", "dense-1", "--variant", "split-1",
+                  "--timeout", "0.5", "--json", rows)
+    assert slow.returncode == 1 and "failed: dense-1, split-1" in slow.stdout
+    got = _rows(rows)
+    assert [r["variant"] for r in got] == ["split-1", "flex-1", "dense-1", "split-1"]
+    first = got[0]
+    assert first["layers"] == 1 and first["attention"] == "split" and "error" not in first
+    assert 0 < first["step_s"] < 30 and first["positions"] > 0 and first["flops"] > 0 and first["device"] == "CPU"
+    assert got[1]["error"].startswith("n/a on CPU")
+    assert got[2]["error"] == "timed out after 0.5 s" and got[3]["error"] == "timed out after 0.5 s"
+    assert "| 1 layer | dense | timed out after 0.5 s |" in slow.stdout
+
+
+def test_a_variant_that_raises_is_a_row_with_its_exception(tmp_path):
+    """The child's own failure (here: no ShareGPT-prepared rows where the spec points) becomes the row's
+    error, named by its exception line, not a crash of the bench."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from variants import run_child
+
+    spec = {"kind": "features", "device": "cpu", "data": str(tmp_path / "missing"), "work": str(tmp_path),
+            "threads": 1, "regen_rows": 1, "max_new_tokens": 1, "repeats": 1}
+    r = run_child(str(ROOT / "bench" / "bench_gpu_data.py"), spec, timeout=240)
+    assert r["exit_code"] == 1 and "Error" in r["error"] and "missing" in r["stderr_tail"]

@@ -190,10 +190,8 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     manifest["shards"] = _resumable_shards(out, manifest)
     if manifest["complete"]:
         return out
-    left = manifest["num_tokens"] - sum(s["tokens"] for s in manifest["shards"])
-    need = left * bytes_per_token(manifest["feature_dim"], dtype, topk)
-    # the room check comes before the folder is made: a refusal leaves nothing behind
-    check_writable(out, "--output", need, inside=out.is_dir())
+    left = manifest["num_tokens"] - sum(s["tokens"] for s in manifest["shards"])  # room checked before the folder
+    check_writable(out, "--output", left * bytes_per_token(manifest["feature_dim"], dtype, topk), inside=out.is_dir())
     ensure_folder(plan, "features")
     for stale in out.glob(".shard-*.tmp"):
         stale.unlink()

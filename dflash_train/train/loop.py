@@ -14,7 +14,6 @@ saved. An out-of-memory error in a step becomes a ConfigError naming the micro-b
 
 from __future__ import annotations
 
-import json
 import random
 import time
 import warnings
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.data.packing import plan_microbatches
-from dflash_train.errors import CheckpointError, ConfigError
+from dflash_train.errors import ConfigError
 from dflash_train.train import checkpointing as ckpt
 from dflash_train.train.anchors import anchor_candidates
 from dflash_train.train.batches import build_microbatch, head_rows, microbatch_loss
@@ -51,7 +50,8 @@ from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.loss import BlockStats
 from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
 from dflash_train.train.prefetch import StepPrefetch
-from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, load_recipe, resolve_init_from
+from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, resolve_init_from
+from dflash_train.train.run_folder import RESUME_MODES, check_output, finished_summary, past_the_end, space_needed
 
 
 class StepPlan:
@@ -183,77 +183,6 @@ def _by_source(entry: dict) -> dict:
     return {k.removeprefix("accept_len_"): v for k, v in entry.items() if k.startswith("accept_len_")}
 
 
-RESUME_MODES = ("must", "auto")  # --resume: a checkpoint must exist / resume one if it exists, else start
-
-
-def _check_output(output: Path, resolved: ResolvedRecipe, resume: str | None, sources: list) -> None:
-    """Before any heavy work: the run folder may be written (dflash_train.outputs), it holds no other
-    run and no foreign files, and --resume has something to resume (or is `auto`)."""
-    from dflash_train.outputs import plan_output
-
-    cfg_file = output / "resolved_config.yaml"
-    is_run = cfg_file.is_file()
-    # a folder holding a run is this command's own; anything else non-empty is refused, --resume or not
-    plan_output(output, "--output", sources=sources, own=is_run, overwrite=None)
-    if not is_run:
-        if resume == "must":
-            raise ConfigError(f"--resume: {output} holds no training run to resume; run without --resume to start "
-                              "one, or pass --resume auto (resume when there is a checkpoint, else start)")
-        return
-    previous = load_recipe(cfg_file)
-    if previous.identity() != resolved.identity():
-        old, new = previous.identity(), resolved.identity()
-        diff = next(k for k in old if old[k] != new[k])
-        raise ConfigError(f"--output {output}: holds a different run (its `{diff}` section differs from this "
-                          "recipe); choose a new --output (nothing was overwritten)")
-    if resume is None:
-        raise ConfigError(f"--output {output}: holds a run already; pass --resume to continue it or choose a new "
-                          "--output (nothing was overwritten)")
-    whole, damaged = ckpt.usable_checkpoints(output)
-    if whole:
-        step = int(whole[0].name[5:])
-        limit = resolved.recipe.optim.max_steps
-        if limit is not None and step > limit:
-            raise ConfigError(past_the_end(output, step, limit))
-        return
-    if damaged:
-        folder, why = damaged[0]
-        raise CheckpointError(f"--resume: every checkpoint in {output / 'checkpoints'} is damaged ({folder.name}: "
-                              f"{why}); move that folder away and start over, or choose a new --output")
-    if resume == "must":
-        raise ConfigError(f"--resume: {output} has no checkpoint to resume from; pass --resume auto to start this "
-                          "run over in it, or choose a new --output")
-
-
-def past_the_end(output: Path, step: int, total: int) -> str:
-    return (f"--resume: the run in {output} is already at step {step}, past this recipe's last step {total} "
-            "(optim.max_steps / --max-steps, or fewer epochs); nothing was changed. Pass a --max-steps above "
-            f"{step} to train on, or use {output / 'final'}")
-
-
-def _finished(output: Path, step: int, total: int, notify) -> dict | None:
-    """The summary of a run that already ended at `total` (its final/ and summary.json written), else None."""
-    summary_file, final = output / "summary.json", output / "final" / "config.json"
-    if step != total or not (summary_file.is_file() and final.is_file()):
-        return None
-    try:
-        summary = json.loads(summary_file.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or summary.get("steps") != total:
-        return None
-    notify(f"the run in {output} already finished at step {total}; nothing to do (its drafter: {output / 'final'})")
-    return {**summary, "nothing_to_do": True}
-
-
-def _space_needed(drafter, recipe: TrainRecipe) -> int:
-    """Bytes the run writes at most: keep_last + 1 checkpoints (fp32 weights and Adam moments in the
-    engine file, the drafter in its save dtype) and final/."""
-    n = sum(p.numel() for p in drafter.parameters())
-    saved = {"float32": 4, "bfloat16": 2, "float16": 2}[recipe.drafter.dtype]
-    return n * (4 + 8 + saved) * (recipe.checkpoint.keep_last + 1) + n * saved
-
-
 def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer, token_counts):
     """A new drafter as the recipe says (or `drafter.init_from`); a reduced draft vocabulary keeps the
     ids most frequent in `token_counts`, a callable returning the training rows' supervised counts."""
@@ -321,7 +250,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     sources = [*sources, recipe.target, d.prepared, *d.source_names(), d.feature_cache, recipe.drafter.init_from]
     world = init_distributed()
     resolve_attention(recipe.objective.attention, world.device)  # refuse flex without CUDA before loading
-    _check_output(output, resolved, resume, sources)
+    check_output(output, resolved, resume, sources)
     random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
 
@@ -344,7 +273,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
         return training_token_frequencies(rows, train_rows, read_token_freq(data_path))
 
     drafter = _build_drafter(recipe, target_path, target_model, tokenizer, token_counts).to(world.device)
-    check_writable(output, "--output", _space_needed(drafter, recipe), inside=output.is_dir())
+    check_writable(output, "--output", space_needed(drafter, recipe), inside=output.is_dir())
     cache = None
     topk = recipe.objective.kl_topk if recipe.objective.loss == "kl" else None  # teacher top-k for the kl loss
     if recipe.data.features == "offline":
@@ -367,7 +296,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
         state = ckpt.resume_latest(engine, world, output, notify if world.is_main else (lambda msg: None))
         if state["step"] > plan.total:  # nothing written yet: the run folder stays as it was
             raise ConfigError(past_the_end(output, state["step"], plan.total))
-        done_before = _finished(output, state["step"], plan.total, notify if world.is_main else (lambda msg: None))
+        done_before = finished_summary(output, state["step"], plan.total, notify if world.is_main else (lambda msg: None))
         if done_before is not None:
             barrier()
             return done_before if world.is_main else {}

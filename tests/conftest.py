@@ -224,3 +224,19 @@ def accepting_eval(accepting_run):
                                   str(ACCEPTING_PROMPTS), "--max-new-tokens", str(ACCEPTING_MAX_NEW_TOKENS),
                                   "--dtype", "float32", "--no-speedup", "--json", str(path))
     return json.loads(path.read_text()), stdout, {**timings, "eval": seconds}
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory, smollm2_path):
+    """tiny_target(model_type) -> folder of a tiny random target of that architecture (tests/tiny_targets.py),
+    built once per session."""
+    from tiny_targets import make_tiny_target
+
+    built = {}
+
+    def get(model_type: str):
+        if model_type not in built:
+            built[model_type] = make_tiny_target(model_type, tmp_path_factory.mktemp(f"tiny-{model_type}"), smollm2_path)
+        return built[model_type]
+
+    return get

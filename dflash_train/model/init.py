@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dflash_train.features.architectures import architecture
 from dflash_train.features.mask_token import check_mask_token_id, default_mask_token_id
 from dflash_train.features.target import DEFAULT_TARGET_NAME, load_target_config, load_tokenizer, resolve_target
 from dflash_train.model.config import DFlashConfig
@@ -14,6 +15,7 @@ def drafter_config_for_target(target: str | None, *, num_layers: int = 1, block_
                               dtype: str = "bfloat16") -> DFlashConfig:
     path = resolve_target(target)
     target_config = load_target_config(path)
+    architecture(target_config)
     tokenizer = load_tokenizer(path)
     rows = target_config.get_text_config().vocab_size
     if mask_token_id is None:

@@ -26,22 +26,29 @@ class Architecture:
     vllm: bool  # vLLM's model class implements SupportsEagle3 (DFlash servable)
     sglang: bool | None  # SGLang's model captures DFlash layers; None: not checked
     note: str = ""
+    classes: tuple[str, ...] = ()  # HF `architectures` names of checkpoints with this text model
 
 
 _ALL = [
-    Architecture("llama", "dense", True, None, "Llama 3.x, SmolLM2"),
-    Architecture("mistral", "dense", True, None, "vLLM serves it through its Llama class"),
-    Architecture("qwen2", "dense", True, None, "Qwen2.5"),
-    Architecture("qwen3", "dense", True, True),
-    Architecture("qwen3_moe", "MoE", True, True, "Qwen3-Coder-30B-A3B"),
-    Architecture("qwen3_next", "hybrid MoE (Gated DeltaNet + full attention)", True, True),
-    Architecture("qwen3_5_text", "hybrid (Gated DeltaNet + full attention)", True, True, "Qwen3.5 / 3.6"),
-    Architecture("qwen3_5_moe_text", "hybrid MoE (Gated DeltaNet + full attention)", True, True, "Qwen3.5 MoE"),
-    Architecture("gpt_oss", "MoE, sliding window, yarn rope", True, None, "harmony chat format"),
+    Architecture("llama", "dense", True, None, "Llama 3.x, SmolLM2", ("LlamaForCausalLM",)),
+    Architecture("mistral", "dense", True, None, "vLLM serves it through its Llama class", ("MistralForCausalLM",)),
+    Architecture("qwen2", "dense", True, None, "Qwen2.5", ("Qwen2ForCausalLM",)),
+    Architecture("qwen3", "dense", True, True, "", ("Qwen3ForCausalLM",)),
+    Architecture("qwen3_moe", "MoE", True, True, "Qwen3-Coder-30B-A3B", ("Qwen3MoeForCausalLM",)),
+    Architecture("qwen3_next", "hybrid MoE (Gated DeltaNet + full attention)", True, True, "",
+                 ("Qwen3NextForCausalLM",)),
+    Architecture("qwen3_5_text", "hybrid (Gated DeltaNet + full attention)", True, True, "Qwen3.5 / 3.6",
+                 ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")),
+    Architecture("qwen3_5_moe_text", "hybrid MoE (Gated DeltaNet + full attention)", True, True, "Qwen3.5 MoE",
+                 ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")),
+    Architecture("gpt_oss", "MoE, sliding window, yarn rope", True, None, "harmony chat format",
+                 ("GptOssForCausalLM",)),
     Architecture("gemma3_text", "dense, sliding window", False, None,
-                 "vLLM's Gemma 3 lacks the EAGLE-3 interface (Gemma 4 has it)"),
-    Architecture("deepseek_v3", "MoE, MLA", True, None, "DeepSeek-V3, Kimi-K2.5 text model"),
-    Architecture("minimax_m2", "MoE", True, None),
+                 "vLLM's Gemma 3 lacks the EAGLE-3 interface (Gemma 4 has it)",
+                 ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
+    Architecture("deepseek_v3", "MoE, MLA", True, None, "DeepSeek-V3; Kimi-K2.5's text model",
+                 ("DeepseekV3ForCausalLM",)),
+    Architecture("minimax_m2", "MoE", True, None, "", ("MiniMaxM2ForCausalLM",)),
 ]
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in _ALL}
 
@@ -60,6 +67,14 @@ def architecture(config) -> Architecture:
         return ARCHITECTURES[model_type]
     raise ConfigError(f"--target: architecture {model_type!r} is not one the toolkit extracts features from; "
                       f"supported: {', '.join(sorted(ARCHITECTURES))}")
+
+
+def by_class_names(names) -> Architecture | None:
+    """The registry entry for a checkpoint's HF `architectures` list (a drafter's verifier), or None."""
+    for arch in _ALL:
+        if set(names or ()) & set(arch.classes):
+            return arch
+    return None
 
 
 def serve_line(arch: Architecture) -> str:

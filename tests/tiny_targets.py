@@ -1,6 +1,7 @@
 """Tiny random-weight targets, one per architecture in the registry (dflash_train/features/architectures.py).
 
-Each is built from a config here (no download) with SmolLM2's tokenizer and chat template: 4 decoder
+Each is built from a config here (no download) with a real tokenizer and chat template (the Qwen asset for
+Qwen-family targets, with Qwen's 151,936-row vocabulary; SmolLM2's, 49,152 rows, for the others): 4 decoder
 layers (6 for Gemma 3, whose 5:1 sliding pattern needs them), hidden 64, so a forward takes milliseconds.
 Architecture quirks the toolkit must handle are kept: linear-attention layers between full ones
 (qwen3_next, qwen3_5), MoE routers, sliding windows shorter than the test prompts, gpt-oss's yarn rope
@@ -9,8 +10,7 @@ and attention sinks, DeepSeek's MLA, partial rotary (qwen3_next, minimax_m2).
 
 from __future__ import annotations
 
-VOCAB = 49152  # SmolLM2's tokenizer
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True)
 _HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2)
@@ -44,7 +44,9 @@ def make_tiny_target(model_type: str, folder, tokenizer_folder):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
-    fields = {**_COMMON, "num_hidden_layers": 4, **CONFIGS[model_type]}
+    # the embedding has the published model's rows: Qwen's 151,936 (spare rows past the tokenizer), else the tokenizer's
+    vocab = 151936 if len(tok) == 151665 else len(tok)
+    fields = {**_COMMON, "vocab_size": vocab, "num_hidden_layers": 4, **CONFIGS[model_type]}
     fields = {k: v for k, v in fields.items() if v is not None or k == "sliding_window"}
     cfg = AutoConfig.for_model(model_type, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id, **fields)

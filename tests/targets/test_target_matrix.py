@@ -159,6 +159,8 @@ def test_whole_pipeline(model_type, tiny_target, tmp_path, one_thread):
     model, tok = _load(target)
     draft = load_drafter(tmp_path / "run" / "final", target_config=model.config, tokenizer=tok)
     assert draft.config.target_layer_ids == ids
+    if model_type.startswith("qwen"):  # the Qwen tokenizer asset: the first spare row of 151,936
+        assert draft.config.vocab_size == 151936 and draft.config.mask_token_id == 151665
     if model_type == "gpt_oss":  # the yarn rope with every parameter (issue 24's KeyError)
         assert draft.config.rope_parameters["rope_type"] == "yarn" and draft.config.rope_parameters["factor"] == 32.0
     report = evaluate(draft, model, tok, [c[:1] for c in CHATS[:2]], max_new_tokens=12, measure_speedup=False,

@@ -69,3 +69,22 @@ def test_target_info_on_a_model_vllm_does_not_serve(tiny_target):
     assert info["num_hidden_layers"] == 6 and info["target_layer_ids"] == [1, 2, 3] and "note" not in info
     assert info["vllm_serves_dflash"] is False and "vLLM serves DFlash: no" in info["serve"]
     assert info["layer_types"] == ["full_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "gpt_oss", "deepseek_v3", "gemma3_text"])
+def test_existing_errors_hold_on_the_new_architectures(model_type, tiny_target):
+    from dflash_train.errors import ConfigError
+    from dflash_train.features.online import OnlineFeatures
+    from dflash_train.features.target import load_target
+    from dflash_train.model.init import drafter_config_for_target
+
+    folder = str(tiny_target(model_type))
+    model, tok = load_target(folder)
+    n = model.config.get_text_config().num_hidden_layers
+    with pytest.raises(ConfigError, match=f"layer id {n} is outside the target's layers 0..{n - 1}"):
+        OnlineFeatures(model, [1, n])  # linear-attention and sliding layers count as layers, no more
+    with pytest.raises(ConfigError, match=f"reach past the target's {n} layers"):
+        drafter_config_for_target(folder, target_layer_ids=[1, n], block_size=4)
+    text_token = tok("hello", add_special_tokens=False)["input_ids"][0]
+    with pytest.raises(ConfigError, match="ordinary token the tokenizer uses for real text"):
+        drafter_config_for_target(folder, target_layer_ids=[1], mask_token_id=text_token, block_size=4)

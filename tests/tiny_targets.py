@@ -38,15 +38,16 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-def make_tiny_target(model_type: str, folder, tokenizer_folder):
-    """Save a tiny random `model_type` target (seed 0) with the tokenizer of `tokenizer_folder`; returns folder."""
+def make_tiny_target(model_type: str, folder, tokenizer_folder, **overrides):
+    """Save a tiny random `model_type` target (seed 0) with the tokenizer of `tokenizer_folder`; returns folder.
+    `overrides` change config fields (vLLM's CPU attention needs head_dim >= 32, for instance)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
     # the embedding has the published model's rows: Qwen's 151,936 (spare rows past the tokenizer), else the tokenizer's
     vocab = 151936 if len(tok) == 151665 else len(tok)
-    fields = {**_COMMON, "vocab_size": vocab, "num_hidden_layers": 4, **CONFIGS[model_type]}
+    fields = {**_COMMON, "vocab_size": vocab, "num_hidden_layers": 4, **CONFIGS[model_type], **overrides}
     fields = {k: v for k, v in fields.items() if v is not None or k == "sliding_window"}
     cfg = AutoConfig.for_model(model_type, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id, **fields)

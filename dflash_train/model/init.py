@@ -44,12 +44,13 @@ def reduce_drafter_vocab(model: DFlashDraftModel, token_counts, draft_vocab_size
     """
     import torch
 
-    from dflash_train.data.vocab import reduced_vocab_maps
+    from dflash_train.data.vocab import counts_for_vocab, reduced_vocab_maps
 
     cfg = model.config.model_copy(update={"draft_vocab_size": draft_vocab_size})
     reduced = DFlashDraftModel(cfg)
     reduced.load_state_dict(model.state_dict(), strict=False)
-    d2t, t2d = reduced_vocab_maps(token_counts, draft_vocab_size)
+    counts = counts_for_vocab(torch.as_tensor(token_counts), cfg.vocab_size, "token counts")
+    d2t, t2d = reduced_vocab_maps(counts, draft_vocab_size)
     with torch.no_grad():
         reduced.d2t.copy_(d2t)
         reduced.t2d.copy_(t2d)

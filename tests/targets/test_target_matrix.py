@@ -178,3 +178,38 @@ def test_whole_pipeline(model_type, tiny_target, tmp_path, one_thread):
         res = CliRunner().invoke(serve_app, ["serve", str(out), "--target", target, "--dry-run"])
         assert res.exit_code == 0, res.output
         assert "dflash" in res.output and target in res.output
+
+
+@pytest.mark.slow
+def test_reduced_draft_vocabulary_at_qwen_size(tiny_target, tmp_path, one_thread):
+    """The Qwen rows' 151,936-row vocabulary reduced to 1,024 draft ids: trained, lossless, served by vLLM's format."""
+    from convert.convert import convert_checkpoint
+    from convert.validate import validate_folder
+    from dflash_train.data.prepare import write_prepared
+    from dflash_train.eval.spec_decode import evaluate
+    from dflash_train.model.checkpoint import load_drafter
+    from dflash_train.train.loop import train
+    from dflash_train.train.recipe import load_recipe
+
+    target = str(tiny_target("qwen3"))
+    model, tok = _load(target)
+    write_prepared(CHATS, tok, tmp_path / "rows", {"command": "test"}, max_length=128)
+    recipe = load_recipe(None, base={
+        "target": target, "data": {"prepared": str(tmp_path / "rows"), "features": "online", "holdout_fraction": 0.25},
+        "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [1, 2], "draft_vocab_size": 1024,
+                    "dtype": "float32"},
+        "objective": {"anchors_per_document": 8, "logits_chunk": 64}, "optim": {"lr": 1e-3, "max_steps": 2},
+        "batch": {"tokens_per_microbatch": 256}, "checkpoint": {"save_every": 2, "keep_last": 1},
+        "logging": {"log_every": 1, "eval_every": 2, "progress": False}})
+    train(recipe, tmp_path / "run")
+    draft = load_drafter(tmp_path / "run" / "final", target_config=model.config, tokenizer=tok)
+    assert (draft.config.vocab_size, draft.config.draft_vocab_size) == (151936, 1024)
+    assert draft.t2d.shape == (151936,) and int(draft.t2d.sum()) == 1024
+    kept = (torch.arange(1024) + draft.d2t).tolist()
+    assert kept == sorted(kept) and kept[-1] < 151665  # draft ids are real tokens, never the spare rows
+    report = evaluate(draft, model, tok, [c[:1] for c in CHATS[:2]], max_new_tokens=12, measure_speedup=False,
+                      teacher_forced=False)
+    assert report["lossless"] is True
+    convert_checkpoint(tmp_path / "run" / "final", tmp_path / "spec", "speculators", verifier=target)
+    checks = {c.check: c.status for c in validate_folder(tmp_path / "spec", target, use_target=True).checks}
+    assert "fail" not in checks.values() and checks["vocab_maps"] == "pass"

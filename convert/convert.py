@@ -73,14 +73,14 @@ def _patch_zlab_layer_ids(raw: dict[str, Any], refs: list[TensorRef], layer_ids:
         return
     if "target_layer_ids" in inner or "target_layer_ids" in raw:
         return
-    from dflash_train.features.layer_ids import default_target_layer_ids
+    from dflash_train.features.layer_ids import zlab_layer_ids
 
     fc = next((r for r in refs if r.name in ("fc.weight", "model.fc.weight")), None)
     hidden = raw.get("target_hidden_size") or raw.get("hidden_size")
     if fc is None or not hidden or not raw.get("num_target_layers") or fc.shape[1] % hidden:
         raise ConfigError(f"{where}: no `dflash_config.target_layer_ids` and no num_target_layers to derive "
                           "them from; pass --layer-ids (z-lab ids: decoder-layer outputs)")
-    inner["target_layer_ids"] = default_target_layer_ids(raw["num_target_layers"], fc.shape[1] // hidden)
+    inner["target_layer_ids"] = zlab_layer_ids(raw["num_target_layers"], fc.shape[1] // hidden)
 
 
 def read_source(src: str | Path, *, mask_token_id: int | None = None, layer_ids: list[int] | None = None,

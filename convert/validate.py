@@ -267,7 +267,33 @@ def target_checks(report: Report, cfg, target: str | None) -> None:
     from dflash_train.features.target import load_target_config, load_tokenizer, resolve_target
 
     path = resolve_target(target)
-    check_against_target(report, cfg, load_target_config(path), load_tokenizer(path), target or path)
+    target_config = load_target_config(path)
+    check_against_target(report, cfg, target_config, load_tokenizer(path), target or path)
+    serve_checks(report, target_config=target_config)
+
+
+def serve_checks(report: Report, cfg=None, target_config=None) -> None:
+    """Whether vLLM and SGLang serve DFlash for the target (dflash_train/features/architectures.py):
+    named by the target config when checked against one, else by the drafter's verifier architectures."""
+    from dflash_train.features.architectures import ARCHITECTURES, by_class_names, text_model_type
+
+    if target_config is not None:
+        arch, named = ARCHITECTURES.get(text_model_type(target_config)), text_model_type(target_config)
+    else:
+        names = getattr(cfg, "verifier_architectures", None) or []
+        arch, named = by_class_names(names), ", ".join(names) or "no verifier architectures in the config"
+    if arch is None:
+        for engine in ("vllm", "sglang"):
+            report.add(f"{engine}_serves_target", (SKIP, f"target architecture {named!r} is not in the toolkit's "
+                                                         "registry; check the engine's model support"))
+        return
+    report.add("vllm_serves_target", (PASS, f"vLLM serves DFlash for {arch.model_type}") if arch.vllm else Warn(
+        f"vLLM does not serve DFlash for {arch.model_type}: its model lacks the EAGLE-3 aux hidden-state "
+        "interface; serve with SGLang or pick another target"))
+    report.add("sglang_serves_target", {True: (PASS, f"SGLang serves DFlash for {arch.model_type}"),
+                                        False: Warn(f"SGLang does not serve DFlash for {arch.model_type}"),
+                                        None: (SKIP, f"not checked whether SGLang serves DFlash for {arch.model_type}")
+                                        }[arch.sglang])
 
 
 def structure_checks(report: Report, folder: Path, cfg, refs: list[TensorRef], expected: dict) -> None:
@@ -368,4 +394,6 @@ def validate_folder(folder: str | Path, target: str | None = None, use_target: b
             target_checks(report, cfg, target)
         except DFlashError as exc:
             report.add("target", Fail(str(exc)))
+    else:
+        serve_checks(report, cfg=cfg)
     return report

@@ -76,7 +76,7 @@ def reduce_vocab(src: str | Path, out: str | Path, token_freq: str | Path, size:
                  target: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                  overwrite: bool = False) -> ConvertResult:
     """Write a speculators drafter whose head keeps the `size` most frequent ids (formats.md §6)."""
-    from dflash_train.data.vocab import read_token_freq, reduced_vocab_maps
+    from dflash_train.data.vocab import counts_for_vocab, read_token_freq, reduced_vocab_maps
 
     sources = [src, token_freq, target]
     plan_output(out, "OUT", sources=sources, overwrite=overwrite)  # before reading the target head
@@ -86,9 +86,10 @@ def reduce_vocab(src: str | Path, out: str | Path, token_freq: str | Path, size:
         raise ConfigError(f"{source.folder}: already reduced (draft_vocab_size {cfg.draft_vocab_size}); "
                           "reduce from the full-vocab drafter")
     counts = read_token_freq(token_freq)
-    if counts.numel() != cfg.vocab_size:
+    if counts.numel() > cfg.vocab_size:
         raise ConfigError(f"--token-freq {token_freq}: counts cover {counts.numel()} ids but the drafter's "
                           f"vocab_size is {cfg.vocab_size}")
+    counts = counts_for_vocab(counts, cfg.vocab_size, f"--token-freq {token_freq}")  # rows past the tokenizer: 0
     if not 0 < size < cfg.vocab_size:
         raise ConfigError(f"--size {size}: must be in 1..{cfg.vocab_size - 1} (the target vocab is {cfg.vocab_size})")
     head = _head_for(cfg, target, "--target")

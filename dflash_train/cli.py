@@ -25,18 +25,13 @@ OVERWRITE_HELP = ("Replace outputs an earlier dflash-toolkit command wrote (neve
 def target_info(target: Optional[str] = typer.Option(None, "--target", help=TARGET_HELP),
                 num_features: int = typer.Option(5, help="Number of target layers the drafter reads."),
                 json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Locate (and on first use convert) the target; print its path, shape and default layer ids."""
+    """Locate (and on first use convert) the target; print its architecture, shape, default layer ids,
+    a spare mask token and whether vLLM / SGLang serve DFlash drafters for it."""
     import json
 
-    from dflash_train.features.layer_ids import default_target_layer_ids, target_to_aux
-    from dflash_train.features.target import load_target_config, resolve_target
+    from dflash_train.features.target_info import describe_target
 
-    path = resolve_target(target)
-    cfg = load_target_config(path).get_text_config()
-    ids = default_target_layer_ids(cfg.num_hidden_layers, num_features)
-    info = {"path": path, "model_type": cfg.model_type, "num_hidden_layers": cfg.num_hidden_layers,
-            "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-            "target_layer_ids": ids, "aux_hidden_state_layer_ids": target_to_aux(ids)}
+    info = describe_target(target, num_features)
     if json_out:
         typer.echo(json.dumps(info, indent=2))
     else:

@@ -225,3 +225,39 @@ def accepting_eval(accepting_run):
                                   str(ACCEPTING_PROMPTS), "--max-new-tokens", str(ACCEPTING_MAX_NEW_TOKENS),
                                   "--dtype", "float32", "--no-speedup", "--json", str(path))
     return json.loads(path.read_text()), stdout, {**timings, "eval": seconds}
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_path(tmp_path_factory):
+    """The Qwen2.5 tokenizer and chat template (tests/assets/qwen_tokenizer, built by
+    bench/build_qwen_tokenizer_asset.py): len 151,665 for a 151,936-row vocabulary, unpacked once."""
+    import gzip
+    import shutil
+    from pathlib import Path
+
+    asset = Path(__file__).parent / "assets" / "qwen_tokenizer"
+    folder = tmp_path_factory.mktemp("qwen-tokenizer")
+    for f in asset.iterdir():
+        if f.name.endswith(".gz"):
+            with gzip.open(f, "rb") as src, (folder / f.name.removesuffix(".gz")).open("wb") as dst:
+                shutil.copyfileobj(src, dst)
+        else:
+            shutil.copyfile(f, folder / f.name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory, smollm2_path, qwen_tokenizer_path):
+    """tiny_target(model_type) -> folder of a tiny random target of that architecture (tests/tiny_targets.py),
+    built once per session; Qwen-family targets get the Qwen tokenizer (151,936 rows), the others SmolLM2's."""
+    from tiny_targets import make_tiny_target
+
+    built = {}
+
+    def get(model_type: str):
+        if model_type not in built:
+            tokenizer = qwen_tokenizer_path if model_type.startswith("qwen") else smollm2_path
+            built[model_type] = make_tiny_target(model_type, tmp_path_factory.mktemp(f"tiny-{model_type}"), tokenizer)
+        return built[model_type]
+
+    return get

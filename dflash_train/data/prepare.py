@@ -46,7 +46,7 @@ def prepare_dataset(target: str | None, source: str | Sequence[str], output: str
     """Prepare one source, or several mixed (`max_samples` then applies to each; every row carries
     its source's label in a `source` column). `label` labels a single source's rows."""
     from dflash_train.data.sources import load_conversations
-    from dflash_train.features.target import load_tokenizer, resolve_target
+    from dflash_train.features.target import check_architecture, load_tokenizer, resolve_target
 
     many = not isinstance(source, (str, Path))
     names = [str(s) for s in source] if many else [str(source)]
@@ -56,6 +56,7 @@ def prepare_dataset(target: str | None, source: str | Sequence[str], output: str
     if labels and len(set(labels)) < len(labels):
         raise DataError(f"--data: two sources share the label {labels!r}; give datasets with distinct names")
     target_path = resolve_target(target)
+    check_architecture(target_path)  # before any data work
     inputs = {"command": "prepare", "target": target_path,
               "source": [_source_id(n) for n in names] if many else _source_id(names[0]),
               "max_samples": max_samples, "max_length": max_length, "split": split, "subset": subset}

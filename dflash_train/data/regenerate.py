@@ -399,7 +399,7 @@ def stop_ids(tokenizer, renderer) -> list[int]:
     ids = []
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
-    eot = renderer._eot
+    eot = renderer._eot_last  # what ends the answer being generated (harmony: <|return|>, not <|end|>)
     if eot:
         t = tokenizer.convert_tokens_to_ids(eot)
         if isinstance(t, int) and t != tokenizer.unk_token_id and t not in ids:

@@ -10,7 +10,10 @@ Two ways to find those spans:
   and `render(messages[:i], add_generation_prompt=True)` stop agreeing (so text the template
   puts into the generation prompt, like Qwen3's empty think block with thinking off, stays
   unsupervised) and ends after the first end-of-turn marker that follows. The marker is found
-  once per template by rendering a probe conversation.
+  once per template by rendering probe conversations; a template may end the conversation's last
+  turn differently from earlier ones (harmony / gpt-oss: `<|return|>` after the final answer,
+  `<|end|>` after earlier turns and after the last turn's analysis-channel reasoning, which the
+  model generates in the same turn), so each kind of turn gets its own marker.
 Token spans come from character spans through the tokenizer's offset mapping.
 
 Qwen3-style templates drop the reasoning of earlier assistant turns from the history: only
@@ -61,7 +64,8 @@ class ChatRenderer:
         self.max_length = max_length
         self.thinking = thinking
         self.markers = uses_generation_markers(tokenizer)
-        self._eot = None if self.markers else self._end_of_turn_marker()
+        self._eot = None if self.markers else self._end_of_turn_marker(last=False)
+        self._eot_last = None if self.markers else self._end_of_turn_marker(last=True)
 
     # -- template calls ------------------------------------------------------------------
     def _kwargs(self) -> dict:
@@ -83,10 +87,13 @@ class ChatRenderer:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
-    def _end_of_turn_marker(self) -> str:
+    def _end_of_turn_marker(self, last: bool) -> str:
+        """What ends an assistant turn: the conversation's last message (`last`) or one followed by more."""
         probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+        if not last:
+            probe += [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}]
         text = self.text(probe)
-        at = text.rfind(_PROBE)
+        at = text.find(_PROBE)
         if at < 0:
             raise DataError("the chat template does not render assistant content verbatim; "
                             "add {% generation %} markers to it")
@@ -109,10 +116,11 @@ class ChatRenderer:
             start = _common_prefix(prompt, full)
             # never before the end of the previous message
             start = max(start, spans[-1][1] if spans else 0)
-            end = full.find(self._eot, start)
+            eot = self._eot_last if i == len(messages) - 1 else self._eot
+            end = full.find(eot, start)
             if end < 0:
-                raise DataError(f"cannot find the end-of-turn marker {self._eot!r} after assistant turn {i}")
-            spans.append((start, end + len(self._eot)))
+                raise DataError(f"cannot find the end-of-turn marker {eot!r} after assistant turn {i}")
+            spans.append((start, end + len(eot)))
         return spans
 
     def render(self, messages: list[dict]) -> RenderedRow | str:

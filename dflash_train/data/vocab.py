@@ -68,6 +68,18 @@ def read_token_freq(path: str | Path) -> torch.Tensor:
     return counts
 
 
+def counts_for_vocab(counts: torch.Tensor, vocab_size: int, where: str) -> torch.Tensor:
+    """Token counts over a target's `vocab_size` embedding rows. Prepare counts over the tokenizer's ids;
+    a target may have more rows than its tokenizer has ids (Qwen: 151,665 ids, 151,936 rows): the spare
+    rows never occur in text and count 0. More counts than rows means another target's counts."""
+    if counts.numel() > vocab_size:
+        raise DataError(f"{where}: counts cover {counts.numel()} ids but the target has {vocab_size} embedding rows; "
+                        "use the token_freq.json prepared for this target")
+    if counts.numel() < vocab_size:
+        counts = torch.cat([counts, counts.new_zeros(vocab_size - counts.numel())])
+    return counts
+
+
 def reduced_vocab_maps(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t [Vd] int64 offsets, t2d [V] bool) keeping the Vd most frequent ids.
 

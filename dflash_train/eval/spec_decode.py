@@ -8,7 +8,8 @@ One step, with the last committed token x at position p:
     accept:  greedy: the longest prefix where d_k == argmax; temperature T: d_k is kept with
              probability min(1, p_k(d_k) / q_k(d_k)), a rejection draws from norm(max(0, p_k - q_k))
     commit:  the accepted drafts plus one token from the target (the bonus, or the redraw)
-    crop:    the target cache keeps positions <= p + a; the features of p..p+a join the drafter's
+    crop:    the target cache keeps positions <= p + a (target_cache.py rolls back every cache kind:
+             key/value, sliding window, recurrent); the features of p..p+a join the drafter's
              context (`append_context`). The drafter never caches block keys, so its cache only grows
              with verified positions and needs no crop.
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.errors import ConfigError
+from dflash_train.features.extract import capture_layers
 
 
 @dataclass
@@ -113,18 +115,6 @@ def _new_cache(target):
     return DynamicCache(config=target.config)
 
 
-def _crop(cache, keep: int) -> None:
-    """Keep the first `keep` positions of an HF cache (transformers 5 crops by a negative count)."""
-    extra = cache.get_seq_length() - keep
-    if extra > 0:
-        cache.crop(-extra)
-
-
-def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
-    """z-lab id t is the output of decoder layer t = HF hidden_states[t + 1]."""
-    return torch.cat([hidden_states[t + 1] for t in layer_ids], dim=-1)
-
-
 def _stop_index(tokens: list[int], eos: set[int], room: int) -> int:
     """How many of `tokens` to keep: up to and including the first EOS, at most `room`."""
     n = min(len(tokens), room)
@@ -162,12 +152,15 @@ def speculative_generate(draft, target, prompt_ids: Sequence[int], max_new_token
     start = time.perf_counter()
 
     # prefill: the prompt's features become the drafter's context; the first token comes from the target
-    cache = _new_cache(target)
+    from dflash_train.eval.target_cache import TargetCache
+
+    cache = TargetCache(target)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    out = target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    with capture_layers(target, layer_ids) as cap:  # feature t = output of decoder layer t (extract.py)
+        out = target(input_ids=ids, past_key_values=cache.cache, use_cache=True)
     ctx = draft.new_cache()
     n_prompt = ids.shape[1]
-    draft.append_context(ctx, _features(out.hidden_states, layer_ids).to(draft_device),
+    draft.append_context(ctx, cap.features().to(draft_device),
                          torch.arange(n_prompt, device=draft_device)[None])
     tokens = [_pick(out.logits[0, -1], temperature, generator)]
     steps: list[Step] = []
@@ -180,11 +173,13 @@ def speculative_generate(draft, target, prompt_ids: Sequence[int], max_new_token
         proposals, q = _propose(draft, draft.logits(hidden[0, 1:]), temperature, generator)
 
         verify = torch.tensor([[tokens[-1], *proposals]], dtype=torch.long, device=device)
-        out = target(input_ids=verify, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        cache.before_verify()
+        with capture_layers(target, layer_ids) as cap:
+            out = target(input_ids=verify, past_key_values=cache.cache, use_cache=True)
         a, extra = _verify(proposals, q, out.logits[0], temperature, generator)
 
-        _crop(cache, p + a + 1)  # verified inputs: positions p .. p+a
-        feats = _features(out.hidden_states, layer_ids)[:, : a + 1].to(draft_device)
+        cache.keep(target, verify, a + 1)  # verified inputs: positions p .. p+a
+        feats = cap.features()[:, : a + 1].to(draft_device)
         draft.append_context(ctx, feats, torch.arange(p, p + a + 1, device=draft_device)[None])
 
         new = [*proposals[:a], extra]

@@ -1,10 +1,15 @@
-"""Context features from a frozen target: concatenated hidden states of chosen layers.
+"""Context features from a frozen target: concatenated outputs of chosen decoder layers.
 
-`TargetFeatures.__call__` returns, for every token t, `concat_i hidden_states[ids[i] + 1][t]`
-(z-lab ids) and, when asked, the target's greedy next token at t and its top-k next-token
-log-probabilities (the kl loss's teacher). When only features are wanted, the forward stops
-after the deepest layer needed: we capture decoder-layer outputs with forward hooks and abort
-the rest of the stack.
+Feature id t is the output of decoder layer t, captured by a forward hook on that layer
+(`capture_layers`), in every architecture: dense, MoE (the layer's output, never a router's),
+hybrid (linear-attention layers are layers too), and for the last layer too, where it is the
+residual stream before the final norm. That is what vLLM serves as aux hidden state t + 1 (and
+SGLang as target layer t); HF's `hidden_states[t + 1]` is the same except at the last layer,
+where HF applies the final norm, so the toolkit never reads `hidden_states`.
+
+`TargetFeatures.__call__` returns, for every token, the features and, when asked, the target's
+greedy next token and its top-k next-token log-probabilities (the kl loss's teacher). When only
+features are wanted, the forward stops after the deepest layer needed.
 
 Top-k (`head_outputs`): the LM head runs over `_HEAD_CHUNK` positions at a time and only the
 argmax and the k largest log-probabilities survive a chunk, so the [T, V] fp32 logits of a long
@@ -66,6 +71,43 @@ def num_target_layers(model) -> int:
     return len(decoder_layers(model))
 
 
+def decoder(model):
+    """The decoder stack without the LM head."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
+class capture_layers:
+    """`with capture_layers(model, ids) as cap: model(...)`: forward hooks record the outputs of the decoder
+    layers `ids`; `cap.features()` concatenates them in the order of `ids`. With `stop_after`, the forward
+    is aborted once that layer has run (the layers above and the head never run)."""
+
+    def __init__(self, model, layer_ids: Sequence[int], stop_after: int | None = None):
+        self.layers = decoder_layers(model)
+        self.layer_ids = [int(t) for t in layer_ids]
+        self.stop_after = stop_after
+        self.captured: dict[int, torch.Tensor] = {}
+        self._handles = []
+
+    def _hook(self, index: int):
+        def fn(_module, _inputs, output):
+            self.captured[index] = output[0] if isinstance(output, tuple) else output
+            if index == self.stop_after:
+                raise _StopForward
+        return fn
+
+    def __enter__(self) -> capture_layers:
+        self._handles = [self.layers[t].register_forward_hook(self._hook(t)) for t in sorted(set(self.layer_ids))]
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        for h in self._handles:
+            h.remove()
+        return exc_type is _StopForward  # the planned early stop is no error
+
+    def features(self) -> torch.Tensor:
+        return torch.cat([self.captured[t] for t in self.layer_ids], dim=-1)
+
+
 @dataclass
 class FeatureBatch:
     features: torch.Tensor  # [B, T, n * H]
@@ -88,41 +130,11 @@ class TargetFeatures:
                  with_next_tokens: bool = False, topk: int | None = None) -> FeatureBatch:
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        if topk or with_next_tokens:
-            # the decoder without its head, then the head chunk-wise keeping only the argmax (and top-k):
-            # never the [B, T, V] logits (4-8 GB for a 4K-token batch at a 151,936 vocabulary)
-            base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-            out = base(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-            feats = torch.cat([out.hidden_states[t + 1] for t in self.layer_ids], dim=-1)
-            greedy, ids, logp = head_outputs(self.model.get_output_embeddings(), out.last_hidden_state, topk)
-            return FeatureBatch(feats, greedy, ids, logp)
-        # the last decoder layer's HF hidden state is post-norm: only a full forward gives it
-        if max(self.layer_ids) == self.num_layers - 1:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                             output_hidden_states=True, use_cache=False)
-            feats = torch.cat([out.hidden_states[t + 1] for t in self.layer_ids], dim=-1)
-            return FeatureBatch(feats, out.logits.argmax(-1))
-        return FeatureBatch(self._truncated(input_ids, attention_mask), None)
-
-    def _truncated(self, input_ids, attention_mask) -> torch.Tensor:
-        layers = decoder_layers(self.model)
-        deepest = max(self.layer_ids)
-        captured: dict[int, torch.Tensor] = {}
-
-        def hook(index):
-            def fn(_module, _inputs, output):
-                captured[index] = output[0] if isinstance(output, tuple) else output
-                if index == deepest:
-                    raise _StopForward
-            return fn
-
-        handles = [layers[t].register_forward_hook(hook(t)) for t in sorted(set(self.layer_ids))]
-        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        try:
-            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        except _StopForward:
-            pass
-        finally:
-            for h in handles:
-                h.remove()
-        return torch.cat([captured[t] for t in self.layer_ids], dim=-1)
+        head = with_next_tokens or bool(topk)
+        with capture_layers(self.model, self.layer_ids, None if head else max(self.layer_ids)) as cap:
+            out = decoder(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        if not head:
+            return FeatureBatch(cap.features(), None)
+        # the head runs chunk-wise over the final-norm states: no [B, T, V] logits
+        greedy, ids, logp = head_outputs(self.model.get_output_embeddings(), out.last_hidden_state, topk)
+        return FeatureBatch(cap.features(), greedy, ids, logp)

@@ -13,18 +13,36 @@ from collections.abc import Sequence
 from dflash_train.errors import ConfigError
 
 
-def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """z-lab's default choice of `num_features` target layers out of `num_target_layers`."""
-    if num_features < 1:
-        raise ConfigError(f"num_features must be >= 1, got {num_features}")
+def zlab_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """z-lab's formula for `num_features` target layers out of `num_target_layers`, exactly as z-lab
+    (and SGLang) compute it when a config names no ids: ids may repeat on small targets."""
     if num_features == 1:
         return [num_target_layers // 2]
-    if num_target_layers < 5:
-        raise ConfigError(f"target has {num_target_layers} layers: too few for {num_features} features; "
-                          "pass explicit layer ids")
     step = (num_target_layers - 4) / (num_features - 1)
     # round() is Python's round-half-to-even, exactly as z-lab computes it
     return [int(round(1 + i * step)) for i in range(num_features)]
+
+
+def max_default_features(num_target_layers: int) -> int:
+    """The most features z-lab's spread (ids 1 .. L-3) gives as distinct layers of an L-layer target."""
+    return max(1, num_target_layers - 3)
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """z-lab's default choice, refused when it would repeat a layer or leave the target: a small target
+    gets a ConfigError that says how many features it can give and which ids they would be."""
+    if num_features < 1:
+        raise ConfigError(f"num_features must be >= 1, got {num_features}")
+    if num_target_layers < 1:
+        raise ConfigError(f"target has {num_target_layers} decoder layers: nothing to read features from")
+    ids = zlab_layer_ids(num_target_layers, num_features)
+    if ids == sorted(set(ids)) and all(0 <= t < num_target_layers for t in ids):
+        return ids
+    fewer = max_default_features(num_target_layers)
+    raise ConfigError(
+        f"num_features: a {num_target_layers}-layer target has too few layers for {num_features} distinct features "
+        f"(z-lab's spread would read {ids}); use num_features {fewer} (layer ids "
+        f"{zlab_layer_ids(num_target_layers, fewer)}) or pass explicit target layer ids")
 
 
 def target_to_aux(target_layer_ids: Sequence[int]) -> list[int]:
@@ -45,14 +63,3 @@ def check_target_layer_ids(target_layer_ids: Sequence[int], num_target_layers: i
                 f"{field}: layer id {t} is outside the target's layers 0..{num_target_layers - 1} "
                 f"(z-lab ids; speculators aux ids are these + 1)"
             )
-
-
-def last_layer_warning(target_layer_ids: Sequence[int], num_target_layers: int) -> str | None:
-    """A warning when the ids include the target's last decoder layer, where engines disagree:
-    HF `hidden_states[L]` (what training extracts) is after the final norm, while vLLM 0.32
-    collects aux id L as the residual stream before it. Other layers are the same everywhere."""
-    if num_target_layers - 1 not in [int(t) for t in target_layer_ids]:
-        return None
-    return (f"target layer id {num_target_layers - 1} is the target's last decoder layer: training reads HF's "
-            "post-norm hidden state there, vLLM serves the pre-norm residual stream, so served acceptance can "
-            f"fall below the trained one; prefer ids <= {num_target_layers - 2}")

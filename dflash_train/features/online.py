@@ -5,8 +5,8 @@ tokens); the offline cache calls it too, so both paths compute the same numbers.
 memory to one batch: decoder-layer outputs are captured by hooks (no tuple of every hidden
 state) and the LM head runs in chunks over positions, keeping only the argmax.
 
-Feature `t` is HF `hidden_states[t + 1]`: the output of decoder layer t, except for the
-last layer, whose HF hidden state is the final-norm output.
+Feature `t` is the output of decoder layer t (extract.py: the last layer's too, before the
+final norm, as vLLM serves it).
 
 Dtype: features come out in the model's dtype. The offline cache stores bfloat16 by default;
 pass `storage_dtype=torch.bfloat16` to `OnlineFeatures` to round online features the same
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from dflash_train.data.packing import Document
-from dflash_train.features.extract import _StopForward, decoder_layers, head_outputs
+from dflash_train.features.extract import capture_layers, decoder, decoder_layers, head_outputs
 from dflash_train.features.layer_ids import check_target_layer_ids
 
 
@@ -35,32 +35,13 @@ def target_forward(model, layer_ids: Sequence[int], input_ids: torch.Tensor,
     `greedy=False` (and no `topk`): the greedy tokens are None, and the forward stops after the
     deepest layer in `layer_ids`: the LM head (a fifth of SmolLM2's compute) and the layers
     above are never run. The features are the same either way."""
-    layers = decoder_layers(model)
-    last = len(layers) - 1
-    stop_at = None if greedy or topk or last in layer_ids else max(layer_ids)
-    captured: dict[int, torch.Tensor] = {}
-
-    def hook(index):
-        def fn(_module, _inputs, output):
-            captured[index] = output[0] if isinstance(output, tuple) else output
-            if index == stop_at:
-                raise _StopForward
-        return fn
-
-    wanted = sorted({t for t in layer_ids if t != last})
-    handles = [layers[t].register_forward_hook(hook(t)) for t in wanted]
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    try:
-        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    except _StopForward:
-        return torch.cat([captured[t] for t in layer_ids], dim=-1), None
-    finally:
-        for h in handles:
-            h.remove()
-    final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    feats = torch.cat([final if t == last else captured[t] for t in layer_ids], dim=-1)
-    if not (greedy or topk):
+    stop_at = None if greedy or topk else max(layer_ids)
+    with capture_layers(model, layer_ids, stop_at) as cap:
+        out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    feats = cap.features()
+    if stop_at is not None:
         return feats, None
+    final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     g, ids, logp = head_outputs(model.get_output_embeddings(), final, topk)
     return (feats, g) if not topk else (feats, g, ids, logp)
 

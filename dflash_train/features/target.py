@@ -114,6 +114,14 @@ def load_target_config(target: str | os.PathLike | None):
         raise _unloadable(target or path, "config", exc) from exc
 
 
+def check_architecture(target: str | os.PathLike | None):
+    """The target's registry entry (architectures.py); a ConfigError naming its architecture and the
+    supported ones otherwise. Commands call it before any data work."""
+    from dflash_train.features.architectures import architecture
+
+    return architecture(load_target_config(target))
+
+
 def load_tokenizer(target: str | os.PathLike | None):
     from transformers import AutoTokenizer
 
@@ -148,6 +156,7 @@ def load_target(target: str | os.PathLike | None = None, dtype=None, device: str
     from transformers import AutoModelForCausalLM
 
     path = resolve_target(target)
+    check_architecture(path)
     dtype = dtype or torch.float32
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

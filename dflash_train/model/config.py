@@ -13,6 +13,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dflash_train.errors import ConfigError
 from dflash_train.features.layer_ids import aux_to_target, default_target_layer_ids, target_to_aux
 
+# rope keys a qwen3 body understands for any rope_type (yarn, llama3, dynamic, longrope, ...); the target's
+# others describe its own attention (partial_rotary_factor, mrope_section) and do not carry over
+_ROPE_KEYS = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings", "attention_factor",
+              "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "low_freq_factor",
+              "high_freq_factor", "short_factor", "long_factor")
+
+
+def drafter_rope(text_config) -> dict[str, Any]:
+    """The drafter's rope parameters from the target's text config: its rope type with every parameter
+    that type needs (yarn's factor and betas, llama3's frequency factors); for targets with per-layer-type
+    rope (Gemma 3) the full-attention layers' entry."""
+    rope = dict(getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # {"full_attention": {...}, "sliding_attention": ...}
+        rope = dict(rope.get("full_attention") or next(iter(rope.values())))
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    theta = rope.get("rope_theta") or getattr(text_config, "rope_theta", None) or 1_000_000.0
+    kept = {k: v for k, v in rope.items() if k in _ROPE_KEYS}
+    kept.update(rope_type=rope_type, rope_theta=float(theta))
+    return kept
+
 
 class DFlashConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -123,8 +143,8 @@ class DFlashConfig(BaseModel):
         ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(num_target, num_features)
         heads = tc.num_attention_heads
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
-        rope = getattr(tc, "rope_parameters", None) or {}
-        rope_theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", 1_000_000.0)))
+        rope = drafter_rope(tc)
+        rope_theta = rope["rope_theta"]
         return cls.build(
             "drafter config for this target",
             hidden_size=tc.hidden_size,
@@ -137,7 +157,7 @@ class DFlashConfig(BaseModel):
             rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
             max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
             rope_theta=rope_theta,
-            rope_parameters={"rope_type": rope.get("rope_type", "default"), "rope_theta": rope_theta},
+            rope_parameters=rope,
             vocab_size=tc.vocab_size,
             draft_vocab_size=draft_vocab_size or tc.vocab_size,
             target_hidden_size=tc.hidden_size,

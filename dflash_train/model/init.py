@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dflash_train.features.architectures import architecture
 from dflash_train.features.mask_token import check_mask_token_id, default_mask_token_id
 from dflash_train.features.target import DEFAULT_TARGET_NAME, load_target_config, load_tokenizer, resolve_target
 from dflash_train.model.config import DFlashConfig
@@ -14,6 +15,7 @@ def drafter_config_for_target(target: str | None, *, num_layers: int = 1, block_
                               dtype: str = "bfloat16") -> DFlashConfig:
     path = resolve_target(target)
     target_config = load_target_config(path)
+    architecture(target_config)
     tokenizer = load_tokenizer(path)
     rows = target_config.get_text_config().vocab_size
     if mask_token_id is None:
@@ -42,12 +44,13 @@ def reduce_drafter_vocab(model: DFlashDraftModel, token_counts, draft_vocab_size
     """
     import torch
 
-    from dflash_train.data.vocab import reduced_vocab_maps
+    from dflash_train.data.vocab import counts_for_vocab, reduced_vocab_maps
 
     cfg = model.config.model_copy(update={"draft_vocab_size": draft_vocab_size})
     reduced = DFlashDraftModel(cfg)
     reduced.load_state_dict(model.state_dict(), strict=False)
-    d2t, t2d = reduced_vocab_maps(token_counts, draft_vocab_size)
+    counts = counts_for_vocab(torch.as_tensor(token_counts), cfg.vocab_size, "token counts")
+    d2t, t2d = reduced_vocab_maps(counts, draft_vocab_size)
     with torch.no_grad():
         reduced.d2t.copy_(d2t)
         reduced.t2d.copy_(t2d)

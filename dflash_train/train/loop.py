@@ -186,7 +186,7 @@ def _by_source(entry: dict) -> dict:
 def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer, token_counts):
     """A new drafter as the recipe says (or `drafter.init_from`); a reduced draft vocabulary keeps the
     ids most frequent in `token_counts`, a callable returning the training rows' supervised counts."""
-    from dflash_train.features.layer_ids import check_target_layer_ids, last_layer_warning
+    from dflash_train.features.layer_ids import check_target_layer_ids
     from dflash_train.features.mask_token import check_mask_token_id
     from dflash_train.model.checkpoint import load_drafter
     from dflash_train.model.init import drafter_config_for_target
@@ -195,11 +195,6 @@ def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenize
     d, tc = recipe.drafter, target_model.config.get_text_config()
     if d.target_layer_ids is not None:
         check_target_layer_ids(d.target_layer_ids, tc.num_hidden_layers, "drafter.target_layer_ids")
-        warning = last_layer_warning(d.target_layer_ids, tc.num_hidden_layers)
-        if warning:
-            import warnings
-
-            warnings.warn(f"drafter.target_layer_ids: {warning}", stacklevel=2)
     if d.mask_token_id is not None:
         check_mask_token_id(d.mask_token_id, tokenizer, tc.vocab_size, "drafter.mask_token_id")
     if d.init_from:  # its config already decided the drafter fields (recipe.apply_init_from)

@@ -70,7 +70,8 @@ def test_generation_markers_agree_with_rendered_prefixes(smollm2_path):
     marked = ChatRenderer(tok, max_length=512)
     assert marked.markers
     prefixes = ChatRenderer(tok, max_length=512)
-    prefixes.markers, prefixes._eot = False, prefixes._end_of_turn_marker()
+    prefixes.markers = False
+    prefixes._eot, prefixes._eot_last = prefixes._end_of_turn_marker(last=False), prefixes._end_of_turn_marker(last=True)
     for conv in (CONV, CONV[1:], THINK_CONV):
         a, b = marked.render(conv), prefixes.render(conv)
         assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask
@@ -125,3 +126,25 @@ def test_tokenizer_without_chat_template(smollm2_path):
     tok.chat_template = None
     with pytest.raises(DataError, match="no chat template"):
         ChatRenderer(tok)
+
+
+HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"]
+
+
+def test_harmony_turns_end_differently_and_last_turn_reasoning_is_supervised(smollm2_path):
+    """gpt-oss's harmony format: earlier answers end with <|end|>, the last with <|return|>; the last turn's
+    analysis-channel reasoning is generated in the same turn, so it is supervised with its answer."""
+    tok = tokenizer(smollm2_path, "harmony_minimal", HARMONY_SPECIALS)
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "thinking": "add them"}]
+    renderer = ChatRenderer(tok, max_length=512)
+    assert (renderer._eot, renderer._eot_last) == ("<|end|>", "<|return|>")
+    row = renderer.render(conv)
+    assert spans(tok, row) == [
+        "<|channel|>final<|message|>hello there<|end|>",
+        "<|channel|>analysis<|message|>add them<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>"]
+    # a conversation that ends with a user turn: every answer ends with <|end|>
+    assert spans(tok, renderer.render(conv[:3])) == ["<|channel|>final<|message|>hello there<|end|>"]
+    from dflash_train.data.regenerate import stop_ids
+
+    assert stop_ids(tok, renderer) == [tok.eos_token_id, tok.convert_tokens_to_ids("<|return|>")]

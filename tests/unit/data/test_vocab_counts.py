@@ -34,3 +34,20 @@ def test_ids_only_the_left_out_answers_use_never_make_the_vocabulary(train_prepa
     kept = reduced_vocab_maps(counts, int((counts > 0).sum()))[1]
     assert torch.equal(kept, counts > 0) and not kept[only_left].any()
     assert reduced_vocab_maps(read_token_freq(train_prepared), int((counts > 0).sum()))[1][only_left].any()
+
+
+def test_counts_cover_the_targets_spare_rows_with_zeros():
+    """Prepare counts the tokenizer's ids; a Qwen target has 271 embedding rows more: they count 0."""
+    import pytest
+    import torch
+
+    from dflash_train.data.vocab import counts_for_vocab, reduced_vocab_maps
+    from dflash_train.errors import DataError
+
+    counts = torch.tensor([0, 5, 0, 2, 9])
+    full = counts_for_vocab(counts, 8, "token_freq.json")
+    assert full.tolist() == [0, 5, 0, 2, 9, 0, 0, 0]
+    d2t, t2d = reduced_vocab_maps(full, 4)
+    assert t2d.shape == (8,) and (torch.arange(4) + d2t).tolist() == [0, 1, 3, 4]  # spare rows only as a last resort
+    with pytest.raises(DataError, match="token_freq.json: counts cover 5 ids but the target has 4 embedding rows"):
+        counts_for_vocab(counts, 4, "token_freq.json")

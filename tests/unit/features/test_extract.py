@@ -38,11 +38,18 @@ def test_feature_only_run_stops_early_and_agrees(smollm2, ids):
     torch.testing.assert_close(short.features, full.features, rtol=0, atol=1e-5)
 
 
-def test_last_layer_uses_hf_post_norm_state(smollm2, ids):
+def test_last_layer_is_its_output_before_the_final_norm_as_vllm_serves_it(smollm2, ids):
     model, _ = smollm2
     out = TargetFeatures(model, [29])(ids)
-    ref = model(ids, output_hidden_states=True).hidden_states[30]
-    torch.testing.assert_close(out.features, ref, rtol=0, atol=1e-5)
+    ref = model(ids, output_hidden_states=True).hidden_states[30]  # HF: after the final norm
+    pre_norm = []
+    handle = model.model.norm.register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0]))
+    try:
+        model(ids)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(out.features, pre_norm[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(model.model.norm(out.features), ref, rtol=0, atol=1e-5)
 
 
 def test_layer_id_beyond_target_is_rejected(smollm2):

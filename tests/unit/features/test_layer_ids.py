@@ -42,10 +42,32 @@ def test_check_rejects_ids_outside_target():
         check_target_layer_ids([1, 30], 30, "layer_ids")
 
 
-def test_last_layer_is_flagged_because_engines_disagree_there():
-    from dflash_train.features.layer_ids import last_layer_warning
+@pytest.mark.parametrize("layers", range(1, 40))
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_default_ids_are_distinct_increasing_and_inside_or_refused_with_a_proposal(layers, n):
+    from dflash_train.features.layer_ids import max_default_features
 
-    assert last_layer_warning([1, 8, 14, 20, 27], 30) is None
-    assert last_layer_warning([28], 30) is None
-    msg = last_layer_warning([2, 29], 30)
-    assert "29" in msg and "pre-norm" in msg and "ids <= 28" in msg
+    try:
+        ids = default_target_layer_ids(layers, n)
+    except ConfigError as exc:
+        fewer = max_default_features(layers)
+        assert n > fewer
+        msg = str(exc)
+        assert f"{layers}-layer target" in msg and f"use num_features {fewer}" in msg
+        proposal = default_target_layer_ids(layers, fewer)  # the proposal itself is valid
+        assert str(proposal) in msg
+        return
+    assert len(ids) == n and ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < layers
+
+
+def test_six_layer_target_no_longer_repeats_a_layer():
+    with pytest.raises(ConfigError, match=r"would read \[1, 2, 2, 2, 3\]\); use num_features 3 \(layer ids \[1, 2, 3\]\)"):
+        default_target_layer_ids(6, 5)
+    assert default_target_layer_ids(6, 3) == [1, 2, 3]
+
+
+def test_zlab_formula_is_kept_verbatim_for_reading_zlab_configs():
+    from dflash_train.features.layer_ids import zlab_layer_ids
+
+    assert zlab_layer_ids(6, 5) == [1, 2, 2, 2, 3]  # what z-lab / SGLang compute for a config without ids
+    assert zlab_layer_ids(36, 5) == default_target_layer_ids(36, 5)

@@ -13,12 +13,13 @@ IDS = [1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 28120, 665, 2]
 def test_target_forward_matches_hidden_states_and_argmax(smollm2):
     model, _ = smollm2
     ids = torch.tensor([IDS])
-    layer_ids = [1, 14, 29]  # 29 = last layer: HF's last hidden state is post-norm
+    layer_ids = [1, 14, 29]  # 29 = last layer: its output before the final norm (HF's hidden state is after it)
     feats, greedy = target_forward(model, layer_ids, ids, torch.ones_like(ids))
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True)
-    ref = torch.cat([out.hidden_states[t + 1] for t in layer_ids], dim=-1)
-    torch.testing.assert_close(feats, ref, rtol=1e-5, atol=1e-5)
+    ref = torch.cat([out.hidden_states[2], out.hidden_states[15]], dim=-1)
+    torch.testing.assert_close(feats[..., : 2 * 576], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.model.norm(feats[..., 2 * 576:]), out.hidden_states[30], rtol=1e-5, atol=1e-5)
     assert torch.equal(greedy, out.logits.argmax(-1))
     fb = TargetFeatures(model, layer_ids)(ids, with_next_tokens=True)
     torch.testing.assert_close(feats, fb.features, rtol=1e-5, atol=1e-5)

@@ -89,6 +89,9 @@ def run_result(run: Path, variant: Variant, fraction: float, seconds: dict) -> d
         "val_accept_len": summary.get("val_accept_len"),
         "val_accept_len_by_source": summary.get("val_accept_len_by_source") or {},
         "fit_accept_len": summary.get("fit_accept_len"), "tau": report["tau"],
+        # the step's own at the last log (per position, and per sampled block), beside the check's fit_accept_len
+        "train_accept_len": summary.get("train_accept_len"),
+        "train_accept_len_per_block": summary.get("train_accept_len_per_block"),
         "tau_by_source": {k: v["tau"] for k, v in (report.get("per_source") or {}).items()},
         "prompts": len(report.get("prompts", [])),
         "teacher_forced_at_decode_steps": tf.get("at_decode_steps"),

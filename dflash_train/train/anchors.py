@@ -50,6 +50,20 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(m[:-1] & m[1:]).flatten()
 
 
+def anchor_budget(candidates: int, per_document: int, density: tuple[float, int, int | None] | None = None) -> int:
+    """Blocks to sample in a document with `candidates` anchor candidates: `per_document`, or with
+    `density` = (fraction, floor, cap) ceil(fraction * candidates) clamped to [floor, cap] (cap None: no
+    cap). Never more than the candidates (sampling is without replacement)."""
+    if density is None:
+        budget = per_document
+    else:
+        fraction, floor, cap = density
+        budget = max(floor, math.ceil(fraction * candidates - 1e-9))
+        if cap is not None:
+            budget = min(budget, cap)
+    return min(budget, candidates)
+
+
 def sample_anchors(loss_mask: torch.Tensor, budget: int, generator: torch.Generator) -> torch.Tensor:
     """Up to `budget` candidate anchors of one document, without replacement, sorted."""
     cand = anchor_candidates(loss_mask)

@@ -1,7 +1,10 @@
 """Documents -> one packed micro-batch -> anchors, labels, layout -> the weighted loss.
 
-Anchors are sampled per document (a per-row budget would starve short documents), with a
-generator fixed by (seed, epoch, prepared row) so a resumed run samples the same anchors.
+Anchors are sampled per document (a per-row budget would starve short documents): a fixed count
+each, or a fraction of each document's candidates (`anchor_density`), with a generator fixed by
+(seed, epoch, prepared row) so a resumed run samples the same anchors. Every block carries the
+number of candidates of its document over the number sampled there (`block_weight`), so the step's
+acceptance length weighs each document by its positions as the check and serving do.
 
 Host and device. Everything that decides *which* positions train (anchors, labelled slots,
 weights, the layout) is built on the host; values that come from the target (greedy labels,
@@ -21,6 +24,8 @@ from dflash_train.data.packing import Document, PackedBatch, pack_documents, to_
 from dflash_train.model.modeling_dflash import DFlashDraftModel, TrainLayout, train_layout
 from dflash_train.train.anchors import (
     IGNORE,
+    anchor_budget,
+    anchor_candidates,
     anchor_generator,
     block_labels,
     labelled_slots,
@@ -41,10 +46,14 @@ class MicroBatch:
     # on the device the top-k were stored on
     target_topk: tuple[torch.Tensor, torch.Tensor] | None = None
     valid: torch.Tensor | None = None  # [N, B] bool, host: the slots that carry a label
+    # [N] float, host: candidates of the block's document / blocks placed there (1 for given anchors)
+    block_weight: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.valid is None:
             self.valid = (self.labels != IGNORE).cpu()
+        if self.block_weight is None:
+            self.block_weight = torch.ones(self.anchors.numel())
 
     @property
     def weight_sum(self) -> float:
@@ -54,6 +63,7 @@ class MicroBatch:
 def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, anchors_per_document: int,
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
                      anchors: list[torch.Tensor] | None = None, pin_memory: bool = False,
+                     anchor_density: tuple[float, int, int | None] | None = None,
                      context_pad: int | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
@@ -61,6 +71,8 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     position whose prediction each labelled slot is (the label's source position).
     anchors: per document, sorted in-document positions to place blocks at instead of sampling
     them (eval places them where decode steps began); labels follow the same rules either way.
+    anchor_density: (fraction, floor, cap) of each document's candidates to sample instead of
+    `anchors_per_document` (anchors.anchor_budget).
     pin_memory: host features are packed into pinned memory (for a non-blocking copy to a GPU).
     context_pad: the run's micro-batch token budget; compiled flex pads every context to it (one shape).
     """
@@ -69,8 +81,17 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     for d in docs[:-1]:
         starts.append(starts[-1] + len(d))
     if anchors is None:
-        anchors = [sample_anchors(d.loss_mask, anchors_per_document, anchor_generator(seed, epoch, row))
-                   for d, row in zip(docs, rows, strict=False)]
+        anchors, doc_weight = [], []
+        for d, row in zip(docs, rows, strict=False):
+            n = int(anchor_candidates(d.loss_mask).numel())
+            a = sample_anchors(d.loss_mask, anchor_budget(n, anchors_per_document, anchor_density),
+                               anchor_generator(seed, epoch, row))
+            anchors.append(a)
+            doc_weight.append(n / max(1, a.numel()))
+    else:  # given positions count once each
+        doc_weight = [1.0] * len(anchors)
+    block_weight = torch.cat([torch.full((a.numel(),), w, dtype=torch.float32)
+                              for a, w in zip(anchors, doc_weight, strict=True)]) if anchors else torch.zeros(0)
     per_doc = [a.long() + s for a, s in zip(anchors, starts, strict=True)]
     anchors = torch.cat(per_doc) if per_doc else torch.zeros(0, dtype=torch.long)
     lab, src = block_labels(anchors, packed.input_ids, packed.loss_mask, packed.greedy_next,
@@ -83,7 +104,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
         at = src[valid]  # host tensors: the gather index is known without reading the device
         target_topk = (packed.target_topk_ids[to_device(at, packed.target_topk_ids.device)],
                        packed.target_topk_logp[to_device(at, packed.target_topk_logp.device)])
-    return MicroBatch(packed, anchors, lab, weights, layout, target_topk, valid)
+    return MicroBatch(packed, anchors, lab, weights, layout, target_topk, valid, block_weight)
 
 
 def head_weight(model: DFlashDraftModel) -> torch.Tensor:
@@ -129,7 +150,8 @@ def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce"
         return zero, BlockStats.zeros(model.config.block_size, device)
     index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)  # host nonzero: no device sync
     loss_sum, preds = microbatch_predictions(model, mb, index, loss=loss, attention=attention, chunk=chunk)
-    return loss_sum, block_stats(loss_sum, to_device(mb.labels, device), to_device(mb.weights, device), preds, index)
+    return loss_sum, block_stats(loss_sum, to_device(mb.labels, device), to_device(mb.weights, device), preds, index,
+                                 to_device(mb.block_weight, device))
 
 
 def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch.Tensor | None = None, *,

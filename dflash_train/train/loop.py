@@ -94,12 +94,14 @@ class StepPlan:
 
 def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], epoch: int, device: torch.device,
                 every_anchor: bool = False):
-    """A micro-batch of `rows`: blocks at sampled anchors (`objective.anchors_per_document`, resampled each
-    epoch), or with `every_anchor` at every candidate position (the held-out check)."""
+    """A micro-batch of `rows`: blocks at sampled anchors (`objective.anchors_per_document` or
+    `objective.anchor_density`, resampled each epoch), or with `every_anchor` at every candidate position
+    (the held-out check)."""
     o = recipe.objective
     docs = source.get(rows)
     return build_microbatch(docs, rows, block_size=recipe.drafter.block_size,
                             anchors_per_document=o.anchors_per_document, labels=o.labels, seed=recipe.seed,
+                            anchor_density=o.anchor_density.as_tuple() if o.anchor_density else None,
                             epoch=epoch, gamma=o.gamma, pin_memory=device.type == "cuda",
                             context_pad=recipe.batch.tokens_per_microbatch,
                             anchors=[anchor_candidates(d.loss_mask) for d in docs] if every_anchor else None)
@@ -176,7 +178,9 @@ def validate(engine, recipe: TrainRecipe, source: DocumentSource, rows: list[int
         if label is not None:
             by_source[f"accept_len_{label}"] = stats.summary()["accept_len"]
     engine.module.train()
-    return total.summary(), by_source
+    summary = total.summary()
+    del summary["accept_len_per_block"]  # one block per position: the same number
+    return summary, by_source
 
 
 def _by_source(entry: dict) -> dict:
@@ -375,7 +379,10 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             "train_loss": train_last and train_last["loss"], "val_loss": val_last and val_last["loss"],
             "train_acc_per_position": train_last and train_last["acc"],
             "val_acc_per_position": val_last and val_last["acc"],
+            # per position (blocks weighted by their document's candidates over its sampled blocks), and per
+            # sampled block (what earlier runs logged as train accept_len; it favours short documents)
             "train_accept_len": train_last and train_last["accept_len"],
+            "train_accept_len_per_block": train_last and train_last.get("accept_len_per_block"),
             "val_accept_len": val_last and val_last["accept_len"],
             "val_accept_len_by_source": val_last and _by_source(val_last),
             # the same check on training rows: held-out acceptance well below it is data, not the drafter

@@ -215,7 +215,13 @@ class BlockStats:
     """Sums that aggregate over micro-batches and ranks (all tensors on one device, all_reduce-able).
 
     They stay where the loss was computed: `add` and `all_reduce` never read a value back to the
-    host; `summary` does, once, at log time."""
+    host; `summary` does, once, at log time.
+
+    Two acceptance lengths. `accept_len` weights every block by its `block_weight`: the number of
+    its document's anchor candidates over the number of blocks sampled there, so each document counts
+    by its positions, as a block at every position would (the check) and as serving does;
+    `accept_len_per_block` counts every sampled block once, which favours short documents whenever
+    the step samples a fixed number per document (docs/training.md, "Reading the metrics")."""
 
     loss_sum: torch.Tensor  # weighted loss sum
     weight_sum: torch.Tensor
@@ -223,12 +229,15 @@ class BlockStats:
     valid: torch.Tensor  # [B] per-slot counts of positions with a label
     accept_sum: torch.Tensor  # sum over blocks of 1 + leading correct slots
     blocks: torch.Tensor  # number of blocks
+    accept_weighted: torch.Tensor  # sum over blocks of block_weight * (1 + leading correct slots)
+    block_weight: torch.Tensor  # sum of block weights (the candidates the sampled blocks stand for)
 
     @classmethod
     def zeros(cls, block_size: int, device: torch.device | str | None = None) -> BlockStats:
         z = torch.zeros((), dtype=torch.float64, device=device)
         return cls(z.clone(), z.clone(), torch.zeros(block_size, dtype=torch.float64, device=device),
-                   torch.zeros(block_size, dtype=torch.float64, device=device), z.clone(), z.clone())
+                   torch.zeros(block_size, dtype=torch.float64, device=device), z.clone(), z.clone(),
+                   z.clone(), z.clone())
 
     def add(self, other: BlockStats) -> BlockStats:
         for f in fields(self):
@@ -250,11 +259,13 @@ class BlockStats:
         return self
 
     def summary(self) -> dict:
-        """loss (normalised), per-slot accuracy (slots 1..B-1) and mean acceptance length (a host read)."""
+        """loss (normalised), per-slot accuracy (slots 1..B-1), the per-position acceptance length and the
+        per-block one (a host read)."""
         acc = (self.correct / self.valid.clamp(min=1))[1:]
         return {"loss": float(self.loss_sum / self.weight_sum.clamp(min=1e-12)),
                 "acc": [round(float(a), 6) for a in acc],
-                "accept_len": float(self.accept_sum / self.blocks.clamp(min=1)),
+                "accept_len": float(self.accept_weighted / self.block_weight.clamp(min=1e-12)),
+                "accept_len_per_block": float(self.accept_sum / self.blocks.clamp(min=1)),
                 "positions": int(self.valid.sum())}
 
 
@@ -274,10 +285,11 @@ def accept_lengths(correct: torch.Tensor) -> torch.Tensor:
 
 
 def block_stats(loss_sum: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, preds: torch.Tensor,
-                index: torch.Tensor | None = None) -> BlockStats:
+                index: torch.Tensor | None = None, block_weight: torch.Tensor | None = None) -> BlockStats:
     """Stats of N blocks: labels [N, B] (IGNORE = no loss), weights [N, B], preds [M] for the
     valid positions in row-major order; `index` [M]: their flat positions (computed on the host,
-    so nothing here waits for the device; found here when not given)."""
+    so nothing here waits for the device; found here when not given); `block_weight` [N]: what each
+    block stands for in the per-position acceptance length (BlockStats; default 1 each)."""
     valid = labels != IGNORE
     if index is None:
         index = valid.flatten().nonzero().squeeze(1)
@@ -285,6 +297,9 @@ def block_stats(loss_sum: torch.Tensor, labels: torch.Tensor, weights: torch.Ten
     correct[index] = preds == labels.flatten()[index]
     correct = correct.view(valid.shape)
     blocks = torch.full((), labels.shape[0], dtype=torch.float64, device=labels.device)
+    lengths = accept_lengths(correct).double()
+    bw = blocks.new_ones(labels.shape[0]) if block_weight is None else block_weight.double()
     return BlockStats(loss_sum=loss_sum.detach().double(), weight_sum=weights.flatten()[index].sum().double(),
                       correct=correct.sum(0).double(), valid=valid.sum(0).double(),
-                      accept_sum=accept_lengths(correct).sum().double(), blocks=blocks)
+                      accept_sum=lengths.sum(), blocks=blocks,
+                      accept_weighted=(bw * lengths).sum(), block_weight=bw.sum())

@@ -29,6 +29,8 @@ class RunLog:
             return
         self._tb.add_scalar(f"{split}/loss", stats["loss"], step)
         self._tb.add_scalar(f"{split}/accept_len", stats["accept_len"], step)
+        if split == "train" and "accept_len_per_block" in stats:  # the check's blocks are one per position
+            self._tb.add_scalar(f"{split}/accept_len_per_block", stats["accept_len_per_block"], step)
         for k, a in enumerate(stats["acc"], start=1):
             self._tb.add_scalar(f"{split}/acc_pos{k}", a, step)
         for key, value in (extra or {}).items():
@@ -96,10 +98,13 @@ def plot_curves(history: list[dict], path: Path) -> None:
         steps = [h["step"] for h in rows]
         axes[0].plot(steps, [h["loss"] for h in rows], style, label=split)
         axes[1].plot(steps, [h["accept_len"] for h in rows], style, label=split)
+        if split == "train" and all("accept_len_per_block" in h for h in rows):
+            axes[1].plot(steps, [h["accept_len_per_block"] for h in rows], ":", color="grey",
+                         label="train, per sampled block")
         last = rows[-1]["acc"]
         axes[2].plot(range(1, len(last) + 1), last, style, label=f"{split} (step {rows[-1]['step']})")
     axes[0].set(title="loss", xlabel="step")
-    axes[1].set(title="block acceptance length", xlabel="step")
+    axes[1].set(title="acceptance length (per position)", xlabel="step")
     axes[2].set(title="accuracy per position", xlabel="slot k", ylim=(0, 1))
     for ax in axes:
         ax.grid(alpha=0.3)

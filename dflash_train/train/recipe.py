@@ -122,13 +122,34 @@ class DrafterConfig(_Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # dtype of saved drafters
 
 
+class AnchorDensity(_Section):
+    """Blocks per document in proportion to its anchor candidates (its supervised positions), as serving
+    spends its decode steps: ceil(fraction * candidates), at least `min`, at most `max`."""
+
+    fraction: float = Field(gt=0, le=1)
+    min: int = Field(1, gt=0)  # floor: a short answer still gets this many (or all it has)
+    max: int | None = Field(None, gt=0)  # cap (null: none): bounds the blocks, so the step's cost, per document
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AnchorDensity:
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"anchor_density: max {self.max} is below min {self.min}; raise max or lower min")
+        return self
+
+    def as_tuple(self) -> tuple[float, int, int | None]:
+        return self.fraction, self.min, self.max
+
+
 class ObjectiveConfig(_Section):
     # ce: cross-entropy on the labels; kl: KL to the target's next-token distribution, kept as its top
     # `kl_topk` log-probs per token (computed with the features; offline caches need `features --topk`)
     loss: Literal["ce", "kl"] = "ce"
     kl_topk: int = Field(32, gt=0)  # k of the kl loss: ~6 bytes per token per k in RAM or in the cache
     labels: Literal["greedy", "dataset"] = "greedy"
-    anchors_per_document: int = Field(512, gt=0)
+    anchors_per_document: int = Field(512, gt=0)  # blocks sampled per document, resampled every epoch
+    # instead of a count, a fraction of each document's candidates with a floor and a cap, e.g.
+    # {fraction: 0.15, min: 4, max: 48}; null: anchors_per_document decides (when set, it is not used)
+    anchor_density: AnchorDensity | None = None
     gamma: float | None = Field(None, gt=0)  # default: by block size (see anchors.gamma_for_block_size)
     # auto: compiled flex attention on a CUDA GPU, split on CPU; flex needs CUDA; dense is the reference
     attention: Literal["auto", "split", "dense", "flex"] = "auto"
@@ -177,8 +198,8 @@ class LoggingConfig(_Section):
     eval_documents: int = Field(64, gt=0)  # held-out documents of the periodic check (a block at every position;
     # a mixture's sources take turns)
     # training documents the check also measures the same way (`fit/` in TensorBoard), so held-out acceptance
-    # has a like-for-like training number: the step's own `train/` numbers sample anchors per document,
-    # which weighs short rows' positions more. null: as many as eval_documents; 0: off
+    # has a like-for-like training number (the step's own `train/` numbers come from its sampled blocks, weighted
+    # to stand for every position, on the rows it is training on). null: as many as eval_documents; 0: off
     fit_documents: int | None = Field(None, ge=0)
     progress: bool = True
 

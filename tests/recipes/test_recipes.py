@@ -77,12 +77,25 @@ def test_overrides_beat_recipe_beat_defaults():
     assert "lr: 0.0002  # --set" in text and "min_lr_ratio: 0.0  # default" in text
 
 
+def test_anchor_density_overrides_the_demo_count_and_round_trips(tmp_path):
+    r = load_recipe(ROOT / "smollm2-135m-demo.yaml", ["objective.anchor_density.fraction=0.2",
+                                                       "objective.anchor_density.max=48"])
+    o = r.recipe.objective
+    assert o.anchor_density.as_tuple() == (0.2, 1, 48) and r.sources["objective.anchor_density.fraction"] == "--set"
+    assert load_recipe(ROOT / "smollm2-135m-demo.yaml").recipe.objective.anchor_density is None  # the count decides
+    (tmp_path / "r.yaml").write_text(r.to_yaml())
+    assert load_recipe(tmp_path / "r.yaml").recipe == r.recipe
+
+
 @pytest.mark.parametrize("override, needle", [
     ("optim.lrr=1", "optim.lrr: unknown field"),
     ("drafter.block_size=1", "drafter.block_size"),
     ("optim.lr=fast", "optim.lr"),
     ("objective.loss=mse", "objective.loss"),
     ("nonsense", "key=value"),
+    ("objective.anchor_density.fraction=1.5", "objective.anchor_density.fraction"),
+    ("objective.anchor_density.share=0.2", "objective.anchor_density.share: unknown field"),
+    ("objective.anchor_density={fraction: 0.2, min: 9, max: 4}", "max 4 is below min 9"),
 ])
 def test_bad_fields_name_their_path(override, needle):
     with pytest.raises(ConfigError) as err:

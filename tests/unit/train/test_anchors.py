@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from dflash_train.train.anchors import anchor_generator, gamma_for_block_size, sample_anchors, slot_weights
+from dflash_train.train.anchors import (
+    anchor_budget,
+    anchor_generator,
+    gamma_for_block_size,
+    sample_anchors,
+    slot_weights,
+)
 
 
 def test_gamma_paper_values_and_rule():
@@ -22,3 +28,13 @@ def test_anchors_need_two_masked_tokens_and_respect_budget():
     assert all_.tolist() == [1, 2, 7]
     few = sample_anchors(mask, 2, anchor_generator(0, 0, 0))
     assert few.numel() == 2 and set(few.tolist()) <= {1, 2, 7} and few.tolist() == sorted(few.tolist())
+
+
+def test_anchor_budget_count_or_density_with_floor_and_cap():
+    assert anchor_budget(100, 16) == 16 and anchor_budget(5, 16) == 5  # never more than the candidates
+    assert anchor_budget(100, 16, (0.25, 4, 48)) == 25
+    assert anchor_budget(10, 16, (0.25, 4, 48)) == 4  # the floor (ceil 2.5 = 3 < 4)
+    assert anchor_budget(3, 16, (0.25, 4, 48)) == 3  # the floor, but only 3 candidates
+    assert anchor_budget(400, 16, (0.25, 4, 48)) == 48  # the cap
+    assert anchor_budget(400, 16, (0.25, 1, None)) == 100  # no cap
+    assert anchor_budget(40, 16, (0.1, 1, None)) == 4  # exact products stay exact (no ceil(4.0000001) = 5)

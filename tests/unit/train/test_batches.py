@@ -6,7 +6,7 @@ import torch
 from dflash_train.data.packing import Document
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.modeling_dflash import DFlashDraftModel, dense_training_mask
-from dflash_train.train.anchors import IGNORE
+from dflash_train.train.anchors import IGNORE, anchor_candidates
 from dflash_train.train.batches import build_microbatch, microbatch_loss, microbatch_predictions
 
 V, H, NF = 300, 64, 2
@@ -83,6 +83,39 @@ def test_explicit_anchors_get_the_labels_of_sampled_ones():
     edge = build_microbatch(docs[:1], [0], block_size=4, anchors_per_document=0, labels="greedy", seed=0, epoch=0,
                             anchors=[torch.tensor([2, 39])])
     assert (edge.labels == IGNORE).all()
+
+
+def test_block_weight_is_candidates_over_sampled_blocks():
+    docs = random_docs([40, 12])  # loss mask from n // 3: 26 and 7 anchor candidates
+    mb = build_microbatch(docs, [0, 1], block_size=4, anchors_per_document=6, labels="greedy", seed=0, epoch=0)
+    first = mb.anchors < 40
+    assert int(first.sum()) == 6 and int((~first).sum()) == 6
+    assert torch.allclose(mb.block_weight[first], torch.tensor(26 / 6)) and torch.allclose(
+        mb.block_weight[~first], torch.tensor(7 / 6))
+    assert float(mb.block_weight.sum()) == pytest.approx(26 + 7)  # the blocks stand for every candidate once
+    # a density: ceil(0.25 * 26) = 7 capped at 5; ceil(0.25 * 7) = 2, at least 2
+    dense = build_microbatch(docs, [0, 1], block_size=4, anchors_per_document=6, labels="greedy", seed=0, epoch=0,
+                             anchor_density=(0.25, 2, 5))
+    assert int((dense.anchors < 40).sum()) == 5 and int((dense.anchors >= 40).sum()) == 2
+    assert float(dense.block_weight.sum()) == pytest.approx(26 + 7)
+
+
+def test_sampling_every_candidate_gives_the_checks_acceptance():
+    """A budget above every document's candidates samples them all: each block weighs 1 and the step's
+    acceptance length is the check's (a block at every candidate position)."""
+    model = tiny_model().eval()
+    docs = random_docs([40, 12, 25], seed=3)
+    every = [anchor_candidates(d.loss_mask) for d in docs]
+    sampled = build_microbatch(docs, [0, 1, 2], block_size=4, anchors_per_document=100, labels="greedy", seed=0,
+                               epoch=0)
+    given = build_microbatch(docs, [0, 1, 2], block_size=4, anchors_per_document=0, labels="greedy", seed=0,
+                             epoch=0, anchors=every)
+    assert torch.equal(sampled.anchors, given.anchors) and torch.equal(sampled.block_weight, given.block_weight)
+    assert torch.equal(sampled.block_weight, torch.ones(sampled.anchors.numel()))
+    with torch.no_grad():
+        a = microbatch_loss(model, sampled)[1].summary()
+        b = microbatch_loss(model, given)[1].summary()
+    assert a["accept_len"] == pytest.approx(b["accept_len"]) == pytest.approx(a["accept_len_per_block"])
 
 
 def test_predictions_of_a_narrower_block_match_the_served_block():

@@ -63,6 +63,8 @@ def test_run_folder_layout(reference_run):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6 and len(summary["val_acc_per_position"]) == 3
     assert 1.0 <= summary["val_accept_len"] <= 4.0 and summary["tokens"] > 0
+    # the curve's acceptance is per position; the per-sampled-block one is kept under its own name
+    assert 1.0 <= summary["train_accept_len"] <= 4.0 and 1.0 <= summary["train_accept_len_per_block"] <= 4.0
     held = json.loads((out / "holdout_rows.json").read_text())["rows"]
     assert len(held) == summary["holdout_rows"] == 5
     assert (out / "curves.png").stat().st_size > 1000 and any((out / "tensorboard").iterdir())

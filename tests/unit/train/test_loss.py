@@ -68,6 +68,39 @@ def test_block_stats_acceptance_and_accuracy():
     assert s["loss"] == pytest.approx(2.0 / 8)
 
 
+def _blocks(pattern: list[list[bool]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels [N, 4] (slot 0 unlabelled) and row-major predictions right or wrong as `pattern` says."""
+    labels = torch.tensor([[IGNORE, 1, 2, 3]] * len(pattern))
+    preds = torch.tensor([t if ok else 0 for row in pattern for t, ok in zip((1, 2, 3), row, strict=True)])
+    return labels, preds
+
+
+def test_per_position_acceptance_weights_each_block_by_its_documents_candidates():
+    """Document A: 8 candidates, 2 sampled blocks accepting 3 each (weight 8/2); document B: 2 candidates,
+    both sampled, accepting 1 each (weight 1). Per block (3+3+1+1)/4 = 2.0; per position
+    (4*3*2 + 1*1*2) / (8+2) = 2.6, the mean of a block at each of the 10 positions when every position of
+    A accepts 3 and every one of B accepts 1."""
+    three, one = [True, True, False], [False, True, True]
+    labels, preds = _blocks([three, three, one, one])
+    sampled = block_stats(torch.tensor(0.0), labels, (labels != IGNORE).float(), preds,
+                          block_weight=torch.tensor([4.0, 4.0, 1.0, 1.0])).summary()
+    assert sampled["accept_len_per_block"] == pytest.approx(2.0)
+    assert sampled["accept_len"] == pytest.approx(2.6)
+    labels, preds = _blocks([three] * 8 + [one] * 2)
+    every = block_stats(torch.tensor(0.0), labels, (labels != IGNORE).float(), preds).summary()
+    assert every["accept_len"] == every["accept_len_per_block"] == pytest.approx(sampled["accept_len"])
+    # summed over micro-batches (the step's window) the weighting holds: A and B apart, then added
+    parts = [block_stats(torch.tensor(0.0), *_with_weights(_blocks(p), w)) for p, w in
+             (([three, three], 4.0), ([one, one], 1.0))]
+    total = parts[0].add(parts[1]).summary()
+    assert total["accept_len"] == pytest.approx(2.6) and total["accept_len_per_block"] == pytest.approx(2.0)
+
+
+def _with_weights(blocks, w):
+    labels, preds = blocks
+    return labels, (labels != IGNORE).float(), preds, None, torch.full((labels.shape[0],), w)
+
+
 def _head_inputs(m=96, h=64, v=1000, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(m, h, generator=g), torch.randn(v, h, generator=g) * 0.5, torch.randint(0, v, (m,), generator=g),

@@ -90,7 +90,7 @@ def test_training_from_a_saved_drafter_uses_and_records_its_shape(tmp_path, trai
     recipe.write_text(f"""target: {train_tiny_target}
 data: {{prepared: {train_prepared}, features: memory, holdout_fraction: 0.2}}
 drafter: {{init_from: {tmp_path / 'start'}, mask_token_id: 16, dtype: float32}}
-objective: {{anchors_per_document: 16, logits_chunk: 64}}
+objective: {{anchor_density: {{fraction: 0.5, min: 2, max: 8}}, logits_chunk: 64}}
 batch: {{tokens_per_microbatch: 256}}
 logging: {{log_every: 1, eval_every: 100, progress: false}}
 """)
@@ -101,7 +101,8 @@ logging: {{log_every: 1, eval_every: 100, progress: false}}
     assert res.returncode == 0, res.stderr[-3000:]
     resolved = (tmp_path / "run" / "resolved_config.yaml").read_text()
     for line in ("  num_layers: 2  # drafter.init_from", "  block_size: 6  # drafter.init_from",
-                 "  num_features: 2  # drafter.init_from", "  mask_token_id: 16  # recipe"):
+                 "  num_features: 2  # drafter.init_from", "  mask_token_id: 16  # recipe",
+                 "    fraction: 0.5  # recipe"):  # a density of anchors trains as well as a count
         assert line in resolved, line
     final = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert final["transformer_layer_config"]["num_hidden_layers"] == 2 and final["block_size"] == 6

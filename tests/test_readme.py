@@ -121,6 +121,10 @@ def check(argv: list[str]) -> None:
         script = ROOT / argv[1]
         assert script.is_file(), f"{argv[1]}: no such script"
         source = script.read_text()
+        # options a script takes from a sibling module it imports (bench/variants.py's --list, --variant)
+        for sibling in script.parent.glob("*.py"):
+            if re.search(rf"^\s*(from|import) {sibling.stem}\b", source, re.MULTILINE):
+                source += sibling.read_text()
         for flag in (a.split("=")[0] for a in argv[2:] if a.startswith("--")):
             assert f'"{flag}"' in source, f"{argv[1]} has no {flag} option"
     else:

@@ -45,10 +45,16 @@ def _free_port() -> int:
 def init_distributed() -> World:
     import torch.distributed as dist
 
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # a single process sets the launcher's variables for itself; a child process inherits them (a test or a
+    # command that starts another `dflash-train`), and must not take them for a launch: their port is the
+    # parent's, still bound. A real launcher sets a MASTER_PORT of its own.
+    inherited = os.environ.get("DFLASH_SINGLE_PROCESS_PORT") == os.environ.get("MASTER_PORT") \
+        and not dist.is_initialized()
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not inherited
     if not launched:
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        port = os.environ["MASTER_PORT"] if dist.is_initialized() else str(_free_port())
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": port, "DFLASH_SINGLE_PROCESS_PORT": port})
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     if cuda:

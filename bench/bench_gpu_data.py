@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_features import measure_features, sync  # noqa: E402 - the sibling bench, shared
-from variants import add_arguments, commit, print_list, run_all, run_child  # noqa: E402
+from variants import add_arguments, answered, commit, run_all, run_child  # noqa: E402
 
 VARIANTS = {"regen": "regeneration, this toolkit's HF path (static cache and compiled decode on CUDA): new tokens/s",
             "regen-f25d61f": "regeneration, f25d61f's HF path (dynamic cache, eager, one generate call)",
@@ -131,11 +131,7 @@ def main() -> None:
                     "as tiny decoding steps run fastest on one thread of a shared machine)")
     add_arguments(ap, list(VARIANTS))
     args = ap.parse_args()
-    if args.list:
-        print_list(VARIANTS)
-        return
-    if args.spec:
-        print(json.dumps(_child(json.loads(args.spec))))
+    if answered(args, VARIANTS, _child):
         return
     if not args.smoke and args.device is None and not torch.cuda.is_available():
         print("no CUDA GPU here: running --smoke (pass --device cpu for the full size on CPU, which takes hours)")

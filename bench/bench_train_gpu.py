@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_step import Shape, build_step  # noqa: E402 - the sibling benches, shared
-from variants import add_arguments, commit, error_of, print_list, run_all, run_child  # noqa: E402
+from variants import add_arguments, answered, commit, error_of, run_all, run_child  # noqa: E402
 
 QWEN3_8B = Shape(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936,
                  target_hidden=4096, features=5, tokens=4096, anchors=512, block=16)
@@ -199,11 +199,7 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=60, help="optimizer steps of the dflash-train train row")
     add_arguments(ap, list(VARIANTS))
     args = ap.parse_args()
-    if args.list:
-        print_list(VARIANTS)
-        return
-    if args.spec:
-        print(json.dumps(_child(json.loads(args.spec))))
+    if answered(args, VARIANTS, _child):
         return
     import torch
 

@@ -32,6 +32,18 @@ def add_arguments(ap, names: list[str]) -> None:
     ap.add_argument("--spec", help="internal: run one variant in this process from its JSON spec")
 
 
+def answered(args, variants: dict[str, str], child: Callable[[dict], dict]) -> bool:
+    """`--list` (print the variants) or `--spec` (run one variant here, print its JSON row): done, True.
+    Otherwise False, and the bench runs its variants."""
+    if args.list:
+        print_list(variants)
+        return True
+    if args.spec:
+        print(json.dumps(child(json.loads(args.spec))))
+        return True
+    return False
+
+
 def print_list(variants: dict[str, str]) -> None:
     width = max(map(len, variants))
     for name, about in variants.items():

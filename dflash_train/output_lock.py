@@ -71,12 +71,6 @@ def output_lock(path: str | Path | None, flag: str, command: str, *, wait: bool 
         p = p.parent
     fd = None
     try:
-        try:
-            lock.parent.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            made = []
-            yield
-            return
         while fd is None:
             try:
                 lock.parent.mkdir(parents=True, exist_ok=True)  # again: a previous owner may have removed it

@@ -63,11 +63,11 @@ def _describe(folder: Path) -> str:
 def _from_folder(folder: Path, found: str, target: str | None) -> Drafter:
     module = detect_format(folder)  # raises CheckpointError naming what config.json holds
     weight_files(folder)  # a drafter without weights cannot be served
-    config = module.read_config(folder)
+    raw = read_config_json(folder)
+    config = module.from_config_dict(raw, str(folder / "config.json"))
     # validate's checks (whole, shaped, finite), and against the target the engine will load: --target, else the
     # drafter's verifier, wherever either is found without a network
     check_drafter(folder, config, what="CHECKPOINT", target=target or config.verifier_name_or_path)
-    raw = read_config_json(folder)
     for rule in RULES[module.NAME]:  # the loader rules `validate` applies: what the engine would refuse
         if rule.__name__ in SERVE_DECIDES:
             continue

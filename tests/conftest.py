@@ -231,19 +231,13 @@ def accepting_eval(accepting_run):
 def qwen_tokenizer_path(tmp_path_factory):
     """The Qwen2.5 tokenizer and chat template (tests/assets/qwen_tokenizer, built by
     bench/build_qwen_tokenizer_asset.py): len 151,665 for a 151,936-row vocabulary, unpacked once."""
-    import gzip
-    import shutil
+    import sys
     from pathlib import Path
 
-    asset = Path(__file__).parent / "assets" / "qwen_tokenizer"
-    folder = tmp_path_factory.mktemp("qwen-tokenizer")
-    for f in asset.iterdir():
-        if f.name.endswith(".gz"):
-            with gzip.open(f, "rb") as src, (folder / f.name.removesuffix(".gz")).open("wb") as dst:
-                shutil.copyfileobj(src, dst)
-        else:
-            shutil.copyfile(f, folder / f.name)
-    return folder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from build_qwen_tokenizer_asset import unpack
+
+    return unpack(Path(__file__).parent / "assets" / "qwen_tokenizer", tmp_path_factory.mktemp("qwen-tokenizer"))
 
 
 @pytest.fixture(scope="session")

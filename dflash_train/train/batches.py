@@ -141,22 +141,24 @@ def full_head_weight(model: DFlashDraftModel):
 
 
 def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce", attention: str = "split",
-                    chunk: int | None = 1024) -> tuple[torch.Tensor, BlockStats]:
+                    chunk: int | None = 1024, head: str = "eager") -> tuple[torch.Tensor, BlockStats]:
     """Unnormalised weighted loss sum of one micro-batch (differentiable) and its stats, both on the
-    model's device; nothing is read back to the host."""
+    model's device; nothing is read back to the host. head: eager | compiled (the LM head's per-chunk
+    epilogue, train/head_epilogue.py)."""
     device = model.fc.weight.device
     if mb.anchors.numel() == 0:  # no supervised pair in these documents: a zero that still has a graph
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         return zero, BlockStats.zeros(model.config.block_size, device)
     index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)  # host nonzero: no device sync
-    loss_sum, preds = microbatch_predictions(model, mb, index, loss=loss, attention=attention, chunk=chunk)
+    loss_sum, preds = microbatch_predictions(model, mb, index, loss=loss, attention=attention, chunk=chunk,
+                                             head=head)
     return loss_sum, block_stats(loss_sum, to_device(mb.labels, device), to_device(mb.weights, device), preds, index,
                                  to_device(mb.block_weight, device))
 
 
 def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch.Tensor | None = None, *,
                            loss: str = "ce", attention: str = "split",
-                           chunk: int | None = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk: int | None = 1024, head: str = "eager") -> tuple[torch.Tensor, torch.Tensor]:
     """The training forward of a micro-batch with at least one anchor: (weighted loss sum, the
     drafter's argmax as target ids [M] at the labelled slots, row-major, on the model's device).
     Blocks are as wide as `mb.labels` (at most the drafter's block size). `index` [M]: the flat
@@ -181,5 +183,5 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
         target = (tids, p)
     with full_head_weight(model) as head:
         loss_sum, preds = head_loss(hidden.flatten(0, 1).index_select(0, index), head, labels.clamp(min=0),
-                                    w * keep, kind=loss, target=target, chunk=chunk)
+                                    w * keep, kind=loss, target=target, chunk=chunk, compiled=head == "compiled")
     return loss_sum, model.draft_to_target(preds)

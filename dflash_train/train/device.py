@@ -1,5 +1,5 @@
-"""What the training step takes from the device it runs on: the attention kernel and LM-head chunk
-for that device, and the error for a micro-batch that does not fit in its memory.
+"""What the training step takes from the device it runs on: the attention kernel, the LM-head chunk
+and its epilogue (compiled on a CUDA GPU) for that device, and the error for a micro-batch that does not fit in its memory.
 
 `objective.attention: auto` is compiled flex attention on a CUDA GPU and the exact split
 attention on CPU. Flex attention is only ever run compiled (model/flex.py); torch has no
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.errors import ConfigError
+from dflash_train.train.head_epilogue import resolve_head
 from dflash_train.train.loss import auto_logits_chunk
 from dflash_train.train.recipe import TrainRecipe
 
@@ -25,6 +26,7 @@ ATTENTION_CHOICES = ("auto", "split")  # what to suggest when flex cannot run he
 class StepKernels:
     attention: str  # split | dense | flex (auto resolved)
     logits_chunk: int
+    head: str = "eager"  # eager | compiled (auto resolved): the LM head's per-chunk epilogue
 
 
 def resolve_attention(choice: str, device: torch.device | str) -> str:
@@ -41,7 +43,7 @@ def step_kernels(recipe: TrainRecipe, device: torch.device | str, vocab: int) ->
     """The recipe's `auto` choices resolved for `device`; `vocab`: rows of the LM head."""
     o = recipe.objective
     chunk = auto_logits_chunk(vocab, device) if o.logits_chunk == "auto" else int(o.logits_chunk)
-    return StepKernels(resolve_attention(o.attention, device), chunk)
+    return StepKernels(resolve_attention(o.attention, device), chunk, resolve_head(o.head, device))
 
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}

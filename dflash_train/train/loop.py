@@ -130,7 +130,7 @@ def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPl
     for i, mb in enumerate(mbs):
         with forward_precision(recipe, world.device):
             loss_sum, st = microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
-                                           chunk=kernels.logits_chunk)
+                                           chunk=kernels.logits_chunk, head=kernels.head)
         # DeepSpeed averages gradients over ranks: multiply by world to keep a global sum / global weight
         engine.backward(loss_sum * (world.size / global_weight).to(loss_sum.dtype), scale_wrt_gas=False)
         guard.observe(step + 1, loss_sum, engine.module if i == len(mbs) - 1 else None)  # on device, no sync
@@ -172,7 +172,8 @@ def validate(engine, recipe: TrainRecipe, source: DocumentSource, rows: list[int
             mb = _microbatch(recipe, source, b, 0, world.device, every_anchor=True)
             with forward_precision(recipe, world.device):
                 stats.add(microbatch_loss(engine.module, mb, loss=recipe.objective.loss,
-                                          attention=kernels.attention, chunk=kernels.logits_chunk)[1])
+                                          attention=kernels.attention, chunk=kernels.logits_chunk,
+                                          head=kernels.head)[1])
         stats.all_reduce()
         total.add(stats)
         if label is not None:

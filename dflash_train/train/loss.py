@@ -42,6 +42,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from dflash_train.train import head_epilogue
 from dflash_train.train.anchors import IGNORE
 
 _CHUNK_BYTES = 2 << 30  # GPU budget for one chunk's logits and their softmax
@@ -86,7 +87,7 @@ def head_matmul_dtype(hidden: torch.dtype, weight: torch.dtype, device_type: str
 
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, target_ids, target_p, chunk, kind):
+    def forward(ctx, hidden, weight, labels, weights, target_ids, target_p, chunk, kind, compiled):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         m = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -96,29 +97,23 @@ class _FusedHeadLoss(torch.autograd.Function):
         mm_dtype = head_matmul_dtype(hidden.dtype, weight.dtype, hidden.device.type)
         half = mm_dtype != torch.float32
         w = weight.to(mm_dtype)  # no copy when the head already has it (the bf16 target head on a GPU)
+        # dL/dlogits is multiplied back in the head's matmul dtype: the softmax is written in it
+        grad_dtype = mm_dtype if want_h or want_w else None
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
             h = hidden[s:e].to(mm_dtype)
             logits = _mm(h, w.t())
-            preds[s:e] = logits.argmax(-1)
-            logp = torch.log_softmax(logits, dim=-1)
-            del logits
             wt = weights[s:e].float()
             lab = labels[s:e]
-            if kind == "ce":
-                total += (wt * -logp.gather(1, lab[:, None]).squeeze(1)).sum()
-                d = logp.exp_() if want_h or want_w else None  # softmax, in place; the grad is softmax - onehot
+            if kind == "ce":  # d = softmax; the grad is softmax - onehot, the onehot part taken below
+                part, preds[s:e], d = head_epilogue.ce(logits, lab, wt, grad_dtype, compiled)
             else:  # soft CE against p over its k ids, plus sum p log p (no grad): KL(p || q); see head_loss
-                ids, p = target_ids[s:e], target_p[s:e].float()
-                total += (wt * (torch.xlogy(p, p) - p * logp.gather(1, ids)).sum(-1)).sum()
-                # the grad w.r.t. the logits is softmax * sum(p) - p scattered to its ids
-                d = logp.exp_().mul_(p.sum(-1, keepdim=True)).scatter_add_(1, ids, -p) if want_h or want_w else None
-                del ids, p
-            del logp
+                part, preds[s:e], d = head_epilogue.kl(logits, target_ids[s:e], target_p[s:e].float(), wt,
+                                                       grad_dtype, compiled)
+            total += part
+            del logits
             if d is None:
                 continue
-            if half:
-                d = d.to(w.dtype)
             # the weights scale rows: apply them to the [n, H] products, not to the [n, V] matrix
             if want_h:
                 g = _mm(d, w)
@@ -142,12 +137,12 @@ class _FusedHeadLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = (grad_h * g_total).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
         gw = (grad_w * g_total).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
 def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
               kind: str = "ce", target: tuple[torch.Tensor, torch.Tensor] | None = None,
-              chunk: int | None = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+              chunk: int | None = 1024, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted loss sum over M positions and the argmax predictions [M].
 
     hidden [M, H] post-norm; weight [V, H] LM head; labels [M] (draft ids); weights [M].
@@ -156,6 +151,7 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     soft cross-entropy -sum_j p_j log q(ids_j) plus sum_j p_j log p_j: exactly KL(p || q) with p
     zero outside its k ids, so it is >= 0 and its gradient is the soft cross-entropy's (the
     entropy term is a constant). With k = V and p the full softmax it is the full-vocabulary KL.
+    compiled: each chunk's softmax, loss and argmax run as fused compiled kernels (head_epilogue).
     """
     if kind not in ("ce", "kl"):
         raise ValueError(f"loss {kind!r}: choose ce or kl")
@@ -171,7 +167,7 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     if autocast:  # bf16-mixed: the head is the half-precision path, run as written
         hidden = hidden.to(torch.get_autocast_dtype(device))
     with torch.autocast(device, enabled=False) if autocast else nullcontext():
-        return _FusedHeadLoss.apply(hidden, weight, labels, weights, ids, p, chunk, kind)
+        return _FusedHeadLoss.apply(hidden, weight, labels, weights, ids, p, chunk, kind, compiled)
 
 
 def topk_soft_targets(draft_ids: torch.Tensor, logp: torch.Tensor,

@@ -155,6 +155,9 @@ class ObjectiveConfig(_Section):
     attention: Literal["auto", "split", "dense", "flex"] = "auto"
     # positions per LM-head chunk; auto: 1024 on CPU, by vocabulary size on a GPU (train/loss.py)
     logits_chunk: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    # the head's per-chunk softmax, loss and argmax; auto: fused compiled kernels on a CUDA GPU, eager on
+    # CPU (train/head_epilogue.py); compiled also runs on CPU (Inductor's C++ kernels)
+    head: Literal["auto", "eager", "compiled"] = "auto"
 
 
 class OptimConfig(_Section):

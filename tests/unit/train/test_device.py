@@ -38,12 +38,15 @@ def test_flex_without_cuda_names_the_field_and_the_choices():
 
 
 def test_step_kernels_resolve_auto_for_the_device():
-    assert step_kernels(_recipe(), "cpu", 49152) == StepKernels("split", 1024)
-    assert step_kernels(_recipe(), "cuda", 49152) == StepKernels("flex", 4352)
-    assert step_kernels(_recipe("objective.logits_chunk=300", "objective.attention=dense"), "cuda", 49152) == \
-        StepKernels("dense", 300)
+    assert step_kernels(_recipe(), "cpu", 49152) == StepKernels("split", 1024, "eager")
+    assert step_kernels(_recipe(), "cuda", 49152) == StepKernels("flex", 4352, "compiled")
+    assert step_kernels(_recipe("objective.logits_chunk=300", "objective.attention=dense", "objective.head=eager"),
+                        "cuda", 49152) == StepKernels("dense", 300, "eager")
+    assert step_kernels(_recipe("objective.head=compiled"), "cpu", 49152).head == "compiled"
     with pytest.raises(ConfigError, match="objective.logits_chunk"):
         _recipe("objective.logits_chunk=0")
+    with pytest.raises(ConfigError, match="objective.head"):
+        _recipe("objective.head=triton")
 
 
 def test_requested_bytes_reads_the_cuda_message():

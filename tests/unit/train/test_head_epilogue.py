@@ -1,0 +1,78 @@
+"""The compiled head epilogue (`objective.head: compiled`, the CUDA default) gives the eager head's loss,
+argmax and gradients, through Inductor on this CPU, and compiles a bounded number of graphs: one per
+loss kind and grad mode, whatever the chunk lengths."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from dflash_train.train import head_epilogue
+from dflash_train.train.loss import head_loss, reference_head_loss
+
+slow = pytest.mark.slow  # Inductor's C++ compiles: ~30 s on 2 cores
+
+
+def _case(m, h, v, seed, dtype=torch.float32, k=6):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(m, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
+    labels = torch.randint(0, v, (m,), generator=g)
+    w = torch.rand(m, generator=g)
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(m)])
+    p = torch.softmax(torch.randn(m, k, generator=g), -1)
+    p[0, 3:] = 0  # entries with p = 0 are ignored (a reduced vocabulary's fallback rows)
+    return hidden, weight, labels, w, (ids, p)
+
+
+def _run(hidden, weight, labels, w, kind, target, chunk, compiled, grad_weight=True):
+    h = hidden.clone().requires_grad_()
+    wt = weight.clone().requires_grad_(grad_weight)
+    loss, preds = head_loss(h, wt, labels, w, kind, target if kind == "kl" else None, chunk=chunk, compiled=compiled)
+    (loss * 0.5).backward()
+    return loss.detach(), preds, h.grad, wt.grad
+
+
+@slow
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+def test_compiled_head_equals_eager_and_the_reference_at_every_chunk_length(kind):
+    base = counters["stats"]["unique_graphs"]
+    for m, chunk in ((23, 7), (40, 9), (13, 13)):  # last chunks of 2, 4 and 13 rows
+        case = _case(m, 16, 97, seed=m)
+        eager = _run(*case[:4], kind, case[4], chunk, compiled=False)
+        fused = _run(*case[:4], kind, case[4], chunk, compiled=True)
+        h, wt = case[0].clone().requires_grad_(), case[1].clone().requires_grad_()
+        ref, ref_preds = reference_head_loss(h, wt, case[2], case[3], kind, case[4])
+        (ref * 0.5).backward()
+        assert torch.allclose(fused[0], ref, rtol=1e-5, atol=1e-5), (m, fused[0], ref)
+        assert torch.allclose(fused[0], eager[0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(fused[1], ref_preds) and torch.equal(fused[1], eager[1])
+        assert torch.allclose(fused[2], h.grad, atol=1e-5) and torch.allclose(fused[2], eager[2], atol=1e-6)
+        assert torch.allclose(fused[3], wt.grad, atol=1e-5) and torch.allclose(fused[3], eager[3], atol=1e-6)
+    with torch.no_grad():  # the held-out check: no gradient, its own graph
+        case = _case(31, 16, 97, seed=5)
+        fused = head_loss(*case[:4], kind, case[4] if kind == "kl" else None, chunk=8, compiled=True)
+        eager = head_loss(*case[:4], kind, case[4] if kind == "kl" else None, chunk=8, compiled=False)
+    assert torch.allclose(fused[0], eager[0], rtol=1e-6) and torch.equal(fused[1], eager[1])
+    # chunk lengths 7, 2, 9, 4, 13 share one graph with the gradient (the rows are dynamic from the first
+    # call) and 8 and 7 one without
+    assert counters["stats"]["unique_graphs"] - base == 2
+
+
+@slow
+def test_compiled_head_in_bf16_matches_the_eager_bf16_head():
+    """The GPU's dtype: bf16 hidden states and head, fp32 logits, the softmax written in bf16."""
+    case = _case(37, 32, 211, seed=3, dtype=torch.bfloat16)
+    eager = _run(*case[:4], "ce", None, 16, compiled=False, grad_weight=False)
+    fused = _run(*case[:4], "ce", None, 16, compiled=True, grad_weight=False)
+    assert torch.allclose(fused[0], eager[0], rtol=1e-5)
+    assert torch.equal(fused[1], eager[1])
+    assert fused[2].dtype == torch.bfloat16 and fused[3] is None
+    assert torch.allclose(fused[2].float(), eager[2].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_head_choice_resolves_by_device_and_names_the_field():
+    assert head_epilogue.resolve_head("auto", "cuda") == "compiled"
+    assert head_epilogue.resolve_head("auto", "cpu") == "eager"
+    assert head_epilogue.resolve_head("compiled", "cpu") == "compiled"
+    with pytest.raises(ValueError, match="objective.head 'fast'"):
+        head_epilogue.resolve_head("fast", "cpu")

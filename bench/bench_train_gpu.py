@@ -11,7 +11,8 @@ projections, the query-key pairs the training mask allows; the context projectio
 those FLOPs at the rate of a plain square matmul in the step's dtype, measured in the same run.
 
 Variants (`--list`): split-1, flex-1, dense-1, split-5, flex-5, dense-5, flex-ckpt-5 (flex with
-activation checkpointing) and train. Each runs in its own subprocess (its own peak memory) under
+activation checkpointing), flex-1-eager-head and flex-5-eager-head (the LM head's epilogue eager: the
+baseline of the compiled head, `objective.head`, which every other variant runs on a GPU) and train. Each runs in its own subprocess (its own peak memory) under
 `--timeout`; every finished variant appends one JSON line to `--json` at once, and a failed one (out
 of memory, a compile error, a timeout) is a row with its error while the run goes on (bench/variants.py).
 On the GPU machine run one or two variants per command (each fits its 10-minute limit).
@@ -44,11 +45,19 @@ QWEN3_8B = Shape(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim
                  target_hidden=4096, features=5, tokens=4096, anchors=512, block=16)
 TINY = Shape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=1024, target_hidden=64,
              features=5, tokens=384, anchors=48, block=16)
-# name: (layers, attention, activation checkpointing); `train` is the dflash-train train row
-STEP_VARIANTS = {f"{a}-{n}": (n, a, False) for n in (1, 5) for a in ("split", "flex", "dense")}
-STEP_VARIANTS["flex-ckpt-5"] = (5, "flex", True)
-VARIANTS = {**{k: f"{v[0]} layer(s), {v[1]} attention{' + activation checkpointing' if v[2] else ''}, "
-                  "Qwen3-8B drafter shapes (CPU smoke: tiny)" for k, v in STEP_VARIANTS.items()},
+# name: (layers, attention, activation checkpointing, LM head epilogue); `train` is the dflash-train train row
+STEP_VARIANTS = {f"{a}-{n}": (n, a, False, "auto") for n in (1, 5) for a in ("split", "flex", "dense")}
+STEP_VARIANTS["flex-ckpt-5"] = (5, "flex", True, "auto")
+# the head's epilogue eager, as before issue 23's item 8: the baseline of the compiled head, in the same run
+STEP_VARIANTS.update({f"flex-{n}-eager-head": (n, "flex", False, "eager") for n in (1, 5)})
+
+
+def _about(layers: int, attention: str, checkpointing: bool, head: str) -> str:
+    extra = (" + activation checkpointing" if checkpointing else "") + (f", {head} head" if head != "auto" else "")
+    return f"{layers} layer(s), {attention} attention{extra}, Qwen3-8B drafter shapes (CPU smoke: tiny)"
+
+
+VARIANTS = {**{k: _about(*v) for k, v in STEP_VARIANTS.items()},
             "train": "dflash-train train on recipes/smollm2-135m-gpu.yaml: tokens/s (CPU smoke: 4 tiny steps)"}
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,10 +102,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, device: str) -> dict:
+def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, device: str,
+                head: str = "auto") -> dict:
     import torch
 
     from dflash_train.train.batches import head_rows, microbatch_loss
+    from dflash_train.train.head_epilogue import resolve_head
     from dflash_train.train.loss import auto_logits_chunk
     from dflash_train.train.optimizer import DeviceAdamW
 
@@ -106,13 +117,14 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     model, mb = build_step(shape, device, dtype)
     model.activation_checkpointing = checkpointing
     chunk = auto_logits_chunk(head_rows(model), device)
+    head = resolve_head(head, device)
     weight = mb.weight_sum
 
     optimizer = DeviceAdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
                             fp32_masters=dtype != torch.float32)
 
     def step():  # the update is tiny (lr 1e-6): every step measures the same work
-        loss, _ = microbatch_loss(model, mb, attention=attention, chunk=chunk)
+        loss, _ = microbatch_loss(model, mb, attention=attention, chunk=chunk, head=head)
         (loss / weight).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -130,7 +142,7 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"step_s": step_s, "positions": int(mb.valid.sum()), "peak_bytes": peak, "flops": step_flops(shape, mb),
-            "chunk": chunk}
+            "chunk": chunk, "head": head}
 
 
 def train_throughput(smoke: bool, steps: int) -> dict:
@@ -189,7 +201,7 @@ def _child(spec: dict) -> dict:
     if spec["kind"] == "train":
         return train_throughput(spec["smoke"], spec["steps"])
     return run_variant(Shape(**spec["shape"]), spec["attention"], spec["checkpointing"], spec["steps"],
-                       spec["device"])
+                       spec["device"], spec.get("head", "auto"))
 
 
 def main() -> None:
@@ -221,12 +233,13 @@ def main() -> None:
     def run_one(variant: str) -> dict:
         if variant == "train":
             return run_child(__file__, {"kind": "train", "smoke": smoke, "steps": args.train_steps}, args.timeout)
-        layers, attention, checkpointing = STEP_VARIANTS[variant]
-        label = {"layers": layers, "attention": attention + (" + checkpointing" if checkpointing else "")}
+        layers, attention, checkpointing, head = STEP_VARIANTS[variant]
+        label = {"layers": layers, "attention": attention + (" + checkpointing" if checkpointing else "")
+                 + (f", {head} head" if head != "auto" else "")}
         if attention == "flex" and device == "cpu":
             return {**label, "error": "n/a on CPU (no flex backward)"}
         spec = {"kind": "step", "shape": asdict(replace(base, layers=layers)), "attention": attention,
-                "checkpointing": checkpointing, "steps": steps, "device": device}
+                "checkpointing": checkpointing, "steps": steps, "device": device, "head": head}
         return {**label, **run_child(__file__, spec, args.timeout)}
 
     header = False

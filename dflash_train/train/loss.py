@@ -25,6 +25,10 @@ the largest multiple of 256 positions whose logits fit in 2 GiB (1280 positions 
 vocabulary, 4352 for 49152): large enough that each matmul runs at tensor-core speed, small next
 to the drafter's activations. On CPU it stays 1024.
 
+Epilogue (`objective.head`): what each chunk's fp32 logits become (loss, argmax, the softmax in the
+matmul dtype) is `head_epilogue.ce` / `head_epilogue.kl`, eager on CPU and compiled into fused kernels
+on a CUDA GPU, where those passes over [n, V] are most of the head's memory traffic.
+
 Losses: `ce` on the labels, or `kl` to the target's top-k next-token distribution (stored with
 the features, renormalised over the ids the draft vocabulary has: `topk_soft_targets`); both
 share the chunking and the closed-form gradient (softmax * sum(p) - p for kl).

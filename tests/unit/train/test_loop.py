@@ -253,6 +253,20 @@ def test_bf16_mixed_stays_closer_to_fp32_than_bf16_weights(reference_run, tmp_pa
     assert 0 < gaps["bf16-mixed"] < 1.2e-2 and gaps["bf16-mixed"] < gaps["bf16"], gaps
 
 
+@pytest.mark.slow
+def test_a_run_with_the_compiled_head_trains_the_eager_runs_weights(reference_run, tmp_path):
+    """objective.head: compiled (the CUDA default) through the real command on CPU (Inductor's C++ kernels):
+    the same losses, held-out check and weights as the eager head, to fp32 rounding."""
+    recipe, ref = reference_run
+    out = tmp_path / "compiled"
+    res = _train(["--config", recipe, "--output", out, "--set", "objective.head=compiled"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    eager, fused = _weights(ref / "final"), _weights(out / "final")
+    assert max(float((fused[k] - eager[k]).abs().max()) for k in eager) < 1e-4
+    a, b = (json.loads((r / "summary.json").read_text()) for r in (ref, out))
+    assert abs(a["val_loss"] - b["val_loss"]) < 1e-4 * a["val_loss"] and a["val_accept_len"] == b["val_accept_len"]
+
+
 class _EngineOnMeta:
     """DeepSpeed cannot run on the meta device: the same calls (backward, step) on the bare module, with
     the optimizer step DeepSpeed runs without ZeRO (DeviceAdamW) at the accumulation boundary."""

@@ -1,7 +1,7 @@
 """Stopping a run at its first non-finite loss or gradient, without a host sync per micro-batch.
 
 `observe` folds `isfinite` of each micro-batch's loss sum and, before the optimizer step, of the
-accumulated gradients' norm into one int64 tensor on the device: the first bad (step, kind) as
+accumulated gradients' norm (or, `observe_grad_norm`, the norm the optimizer computed for its clip) into one int64 tensor on the device: the first bad (step, kind) as
 `step * 4 + kind`, a large sentinel while all is well. Nothing is read back until `check`, which
 the loop calls before it logs, validates or saves (one read; ranks agree by a MIN all-reduce),
 so no metric, checkpoint or final drafter is ever written from a diverged step. `check_weights`
@@ -37,6 +37,11 @@ class FiniteGuard:
             grads = [p.grad for p in module.parameters() if p.grad is not None]  # none under ZeRO-2/3
             if grads:
                 self._fold(step, GRADIENTS, torch.nn.utils.get_total_norm(grads))
+
+    def observe_grad_norm(self, step: int, norm: torch.Tensor | None) -> None:
+        """Record step `step`'s gradient norm as an optimizer computed it (DeviceAdamW's, for its clip)."""
+        if norm is not None:
+            self._fold(step, GRADIENTS, norm.detach())
 
     def _advice(self) -> str:
         clip = f"tighten optim.grad_clip (now {self.grad_clip:g})" if self.grad_clip else "set optim.grad_clip (now off)"

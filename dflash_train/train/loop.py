@@ -133,8 +133,13 @@ def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPl
                                            chunk=kernels.logits_chunk, head=kernels.head)
         # DeepSpeed averages gradients over ranks: multiply by world to keep a global sum / global weight
         engine.backward(loss_sum * (world.size / global_weight).to(loss_sum.dtype), scale_wrt_gas=False)
-        guard.observe(step + 1, loss_sum, engine.module if i == len(mbs) - 1 else None)  # on device, no sync
+        last = i == len(mbs) - 1
+        # the gradients' norm: the optimizer's own where it computes one for the clip (one pass, not two)
+        reuse = last and getattr(engine.optimizer, "computes_grad_norm", False)
+        guard.observe(step + 1, loss_sum, engine.module if last and not reuse else None)  # on device, no sync
         engine.step()
+        if reuse:
+            guard.observe_grad_norm(step + 1, engine.optimizer.grad_norm)
         stats.add(st)
     return stats.all_reduce(), all_reduce_sum(tokens, world.device)
 

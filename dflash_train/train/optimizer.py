@@ -80,6 +80,16 @@ class DeviceAdamW(torch.optim.AdamW):
                 m.grad = None  # the fp32 gradients live only inside the step
         return loss
 
+    @property
+    def computes_grad_norm(self) -> bool:
+        """Whether `step` computes the global gradient norm (for the clip): the loop reads it, not twice."""
+        return self.grad_clip > 0
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The last step's global gradient norm, a device tensor (None before a step or without a clip)."""
+        return self._global_grad_norm
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for p in self.model_params:

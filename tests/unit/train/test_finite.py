@@ -61,3 +61,28 @@ def test_weights_made_non_finite_by_an_update_are_named():
     with pytest.raises(TrainingError, match=r"weights are NaN or inf after step 1 \(first: `weight`\).*"
                                             r"lower optim.lr \(now inf\)"):
         guard.check_weights(1, model)
+
+
+def test_the_optimizers_clip_norm_is_the_gradient_check_when_it_computes_one():
+    """The loop folds DeviceAdamW's own clip norm instead of a second pass over the gradients; without a
+    clip the optimizer computes none and the guard's own pass stays."""
+    from dflash_train.train.optimizer import DeviceAdamW
+
+    model = torch.nn.Linear(4, 3)
+    opt = DeviceAdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
+                      fp32_masters=False)
+    assert opt.computes_grad_norm and opt.grad_norm is None
+    guard = FiniteGuard(torch.device("cpu"), lr=1e-3, grad_clip=1.0)
+    guard.observe_grad_norm(1, opt.grad_norm)  # before any step: nothing to fold
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    guard.observe_grad_norm(1, opt.grad_norm)
+    guard.check()
+    model(torch.ones(2, 4)).sum().backward()
+    model.bias.grad[1] = float("inf")
+    opt.step()
+    guard.observe_grad_norm(2, opt.grad_norm)
+    with pytest.raises(TrainingError, match=r"the gradient norm is NaN or inf at step 2"):
+        guard.check()
+    assert not DeviceAdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0,
+                           grad_clip=0.0, fp32_masters=False).computes_grad_norm

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from dflash_train.errors import CheckpointError
+from dflash_train.model.config import MAX_BLOCK_SIZE
 
 Count = Field(default=None, gt=0)
 # the weight dtypes a drafter is stored in (what vLLM and HF accept for these configs)
@@ -64,7 +65,7 @@ class SpeculatorsSection(_Lenient):
 class _DraftFields(_Lenient):
     """What both formats carry at the top level of config.json."""
 
-    block_size: StrictInt | None = Count
+    block_size: StrictInt | None = Field(default=None, gt=0, le=MAX_BLOCK_SIZE)
     mask_token_id: StrictInt | None = Field(default=None, ge=0)
     target_hidden_size: StrictInt | None = Count
     num_target_layers: StrictInt | None = Count

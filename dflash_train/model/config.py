@@ -15,6 +15,9 @@ from dflash_train.features.layer_ids import aux_to_target, default_target_layer_
 
 # rope keys a qwen3 body understands for any rope_type (yarn, llama3, dynamic, longrope, ...); the target's
 # others describe its own attention (partial_rotary_factor, mrope_section) and do not carry over
+# a block proposes block_size - 1 tokens a step; published drafters use 8-16, acceptance past ~16 is
+# rare, and the training rows grow with B (anchors x B): a larger value is a typo, refused by name
+MAX_BLOCK_SIZE = 64
 _ROPE_KEYS = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings", "attention_factor",
               "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "low_freq_factor",
               "high_freq_factor", "short_factor", "long_factor")
@@ -59,7 +62,7 @@ class DFlashConfig(BaseModel):
     target_hidden_size: int = Field(gt=0)
     num_target_layers: int | None = None
     aux_hidden_state_layer_ids: list[int]
-    block_size: int = Field(ge=2)
+    block_size: int = Field(ge=2, le=MAX_BLOCK_SIZE)
     mask_token_id: int = Field(ge=0)
     sample_from_anchor: bool = False
     sliding_window_non_causal: bool = True

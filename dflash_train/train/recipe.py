@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dflash_train.errors import ConfigError
+from dflash_train.model.config import MAX_BLOCK_SIZE
 
 
 class _Section(BaseModel):
@@ -104,7 +105,7 @@ def source_label(spec: SourceConfig) -> str:
 
 class DrafterConfig(_Section):
     num_layers: int = Field(1, gt=0)
-    block_size: int = Field(16, ge=2)
+    block_size: int = Field(16, ge=2, le=MAX_BLOCK_SIZE)  # B: the drafter proposes B - 1 tokens a step
     mask_token_id: int | None = Field(None, ge=0)
     num_features: int = Field(5, gt=0)
     target_layer_ids: list[int] | None = None  # z-lab ids (aux - 1); default: z-lab's choice

@@ -30,6 +30,10 @@ def _block_size_eight(c):
     c["block_size"] = "eight"
 
 
+def _block_size_huge(c):
+    c["block_size"] = 10**9  # would allocate its block rows before anything else failed
+
+
 def _spec_config_list(c):
     c["speculators_config"] = []
 
@@ -46,6 +50,7 @@ SHAPES = {  # what config.json holds -> the words the error must have
     "array": ([], "holds a JSON array ([]), not an object"),
     "string": ("drafter", "holds a JSON string ('drafter'), not an object"),
     "block-size": (_block_size_eight, "field `block_size`: input should be a valid integer (got 'eight')"),
+    "block-size-huge": (_block_size_huge, "field `block_size`: input should be less than or equal to 64"),
     "section-list": (_spec_config_list, "field `speculators_config`: input should be a valid dictionary (got [])"),
     "dtype": (_dtype_float8, "field `dtype`: input should be 'float32', 'bfloat16' or 'float16' (got 'float8')"),
     "id-strings": (_layer_ids_strings, "field `aux_hidden_state_layer_ids.0`: input should be a valid integer"),

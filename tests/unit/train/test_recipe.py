@@ -125,3 +125,12 @@ def test_a_data_mixture_lists_sources_with_their_own_counts_and_labels():
         load_recipe(None, [], base={"data": {"source": [{"name": "chitchat"}]}})
     with pytest.raises(ConfigError, match="train_fraction"):
         load_recipe(None, ["data.train_fraction=0"], base={"data": {"source": "chitchat"}})
+
+
+def test_a_block_size_past_the_bound_is_refused_by_name():
+    from dflash_train.model.config import MAX_BLOCK_SIZE
+
+    base = {"data": {"prepared": "/p"}}
+    assert load_recipe(None, [f"drafter.block_size={MAX_BLOCK_SIZE}"], base=base).recipe.drafter.block_size == 64
+    with pytest.raises(ConfigError, match=r"drafter.block_size: Input should be less than or equal to 64"):
+        load_recipe(None, ["drafter.block_size=1000000"], base=base)

@@ -6,7 +6,11 @@ must then look as if only the kept tokens had been fed:
 - key/value layers (full attention, MLA): crop the rejected positions (the fast path; a target
   made only of these never copies anything).
 - sliding-window layers: the same crop, possible once transformers records the window's past
-  (`activate_past_recording`), which it needs to give back positions it would have evicted.
+  (`activate_past_recording`), which it needs to give back positions it would have evicted. A
+  recording layer holds every position fed since its last crop, and transformers before 5.18 hands
+  all of them to attention while the mask covers only the window (a shape error on the GPU machine's
+  5.17): every forward this class does not crop after (the prefill, a re-feed) is settled by a
+  `crop(0)` before the next one (`settle`), which trims the layer back to its window.
 - recurrent layers (Gated DeltaNet in Qwen3-Next / Qwen3.5; any `LinearAttention` cache layer):
   their state has no positions to crop. Before each verify forward we snapshot their conv and
   recurrent states (small, fixed-size tensors); on a rejection we put the snapshot back, crop
@@ -52,8 +56,16 @@ class TargetCache:
     def length(self) -> int:
         return self.cache.get_seq_length()
 
+    def settle(self) -> None:
+        """Trim recording sliding-window layers back to their window (no position is removed)."""
+        for layer in self.cache.layers:
+            if getattr(layer, "record_past", False) and getattr(layer, "is_initialized", True):
+                _crop_kv(layer, 0)
+
     def before_verify(self) -> None:
-        """Remember the recurrent layers' states (nothing to do for caches made of key/value layers)."""
+        """Settle the sliding-window layers and remember the recurrent layers' states (nothing to copy for
+        caches made of key/value layers)."""
+        self.settle()
         if not self.recurrent:
             return
         self._snapshot = {}
@@ -83,3 +95,4 @@ class TargetCache:
                 _crop_kv(layer, fed.shape[1])
         self._snapshot = None
         target(input_ids=fed[:, :kept], past_key_values=self.cache, use_cache=True)
+        self.settle()

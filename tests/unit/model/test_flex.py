@@ -5,7 +5,7 @@ of different lengths share one compiled kernel per bucket, and flex never runs e
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from torch.nn.attention.flex_attention import _ordered_to_dense, create_block_mask
+from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash_train.model.flex import TILE, _flex_call, bucket, compiled_flex, query_bucket, training_block_mask
 from dflash_train.model.modeling_dflash import DFlashDraftModel, dense_training_mask, train_layout
@@ -27,7 +27,14 @@ def _random_layout(gen, block_size):
 
 
 def _full_tiles(mask):
-    return _ordered_to_dense(mask.full_kv_num_blocks, mask.full_kv_indices, mask.full_kv_indices.shape[-1])[0, 0].bool()
+    """[Q tiles, KV tiles] bool: the tiles the mask marks full (read from its ordered indices; torch's own
+    private converter changed its signature between 2.11 and 2.13)."""
+    count, cols = mask.full_kv_num_blocks[0, 0], mask.full_kv_indices[0, 0].long()
+    dense = torch.zeros(cols.shape[0], -(-mask.seq_lengths[1] // TILE), dtype=torch.bool)
+    used = torch.arange(cols.shape[1])[None, :] < count[:, None]
+    rows = torch.arange(cols.shape[0])[:, None].expand_as(cols)
+    dense[rows[used], cols[used]] = True
+    return dense
 
 
 def test_bucket_sizes_are_tile_multiples_and_at_most_a_third_padding():

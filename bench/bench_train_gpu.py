@@ -107,6 +107,7 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     import torch
 
     from dflash_train.train.batches import head_rows, microbatch_loss
+    from dflash_train.train import head_epilogue
     from dflash_train.train.head_epilogue import resolve_head
     from dflash_train.train.loss import auto_logits_chunk
     from dflash_train.train.optimizer import DeviceAdamW
@@ -142,7 +143,7 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"step_s": step_s, "positions": int(mb.valid.sum()), "peak_bytes": peak, "flops": step_flops(shape, mb),
-            "chunk": chunk, "head": head}
+            "chunk": chunk, "head": head, "head_fallbacks": dict(head_epilogue.fallbacks)}
 
 
 def train_throughput(smoke: bool, steps: int) -> dict:

@@ -46,6 +46,7 @@ from dflash_train.train.engine import (
     forward_precision,
     init_distributed,
 )
+from dflash_train.train import head_epilogue
 from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.loss import BlockStats
 from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
@@ -395,6 +396,9 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             "fit_loss": fit_last and fit_last["loss"], "fit_accept_len": fit_last and fit_last["accept_len"],
             "fit_accept_len_by_source": fit_last and _by_source(fit_last),
             "holdout_rows": len(held), "train_rows": len(train_rows), "world_size": world.size,
+            # what ran: the attention kernel, the LM head's epilogue, and any compiled part that fell back
+            "kernels": {"attention": kernels.attention, "head": kernels.head, "logits_chunk": kernels.logits_chunk,
+                        "head_fallbacks": dict(head_epilogue.fallbacks)},
             "wall_time_s": round(time.time() - t_start, 2), "final": str(final), "eval": None,
         }
         write_summary(output / "summary.json", summary)

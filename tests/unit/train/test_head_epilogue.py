@@ -76,3 +76,34 @@ def test_head_choice_resolves_by_device_and_names_the_field():
     assert head_epilogue.resolve_head("compiled", "cpu") == "compiled"
     with pytest.raises(ValueError, match="objective.head 'fast'"):
         head_epilogue.resolve_head("fast", "cpu")
+
+
+def test_a_compile_failure_warns_once_and_runs_eager_while_other_errors_propagate(monkeypatch):
+    """A Triton / Inductor failure on the machine at hand must not end a run: the epilogue falls back to
+    the eager maths (the same numbers); an error that is not the compiler's is raised as it is."""
+    calls = []
+
+    def broken(name, fn):
+        def run(*args):
+            calls.append(name)
+            raise torch._dynamo.exc.TorchDynamoException("triton: no kernel for this GPU")
+        return run
+
+    monkeypatch.setattr(head_epilogue, "_compiled", broken)
+    monkeypatch.setattr(head_epilogue, "fallbacks", {})
+    case = _case(9, 8, 31, seed=1)
+    with pytest.warns(UserWarning, match=r"the ce epilogue did not compile here .*triton: no kernel"):
+        fused = head_loss(*case[:4], chunk=4, compiled=True)
+    eager = head_loss(*case[:4], chunk=4, compiled=False)
+    assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1])
+    assert calls == ["ce"]  # tried once; the next chunks and calls go straight to eager
+    assert "ce" in head_epilogue.fallbacks and "kl" not in head_epilogue.fallbacks
+
+    def wrong(name, fn):
+        def run(*args):
+            raise ValueError("a bug in the maths")
+        return run
+
+    monkeypatch.setattr(head_epilogue, "_compiled", wrong)
+    with pytest.raises(ValueError, match="a bug in the maths"):
+        head_loss(*case[:4], "kl", case[4], chunk=4, compiled=True)

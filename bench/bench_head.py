@@ -38,7 +38,7 @@ def measure(m: int, hidden: int, vocab: int, kind: str, steps: int, device: str)
     chunk = auto_logits_chunk(vocab, device)
     out = {}
     for compiled in (False, True):
-        def step():
+        def step(compiled=compiled):
             h.grad = None
             loss, _ = head_loss(h, w, labels, weights, kind, target, chunk=chunk, compiled=compiled)
             loss.backward()

@@ -11,8 +11,10 @@ projections, the query-key pairs the training mask allows; the context projectio
 those FLOPs at the rate of a plain square matmul in the step's dtype, measured in the same run.
 
 Variants (`--list`): split-1, flex-1, dense-1, split-5, flex-5, dense-5, flex-ckpt-5 (flex with
-activation checkpointing), flex-1-eager-head and flex-5-eager-head (the LM head's epilogue eager: the
-baseline of the compiled head, `objective.head`, which every other variant runs on a GPU) and train. Each runs in its own subprocess (its own peak memory) under
+activation checkpointing); flex-1-eager and flex-5-eager (the LM head's epilogue and the layers'
+RMSNorm / SwiGLU / RoPE eager, as before issue 23's item 8), flex-5-eager-head and flex-5-eager-layers
+(one of the two eager): the baselines of the compiled parts (`objective.head`, `objective.layer_kernels`),
+which every other variant runs on a GPU; and train. Each runs in its own subprocess (its own peak memory) under
 `--timeout`; every finished variant appends one JSON line to `--json` at once, and a failed one (out
 of memory, a compile error, a timeout) is a row with its error while the run goes on (bench/variants.py).
 On the GPU machine run one or two variants per command (each fits its 10-minute limit).
@@ -45,16 +47,24 @@ QWEN3_8B = Shape(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim
                  target_hidden=4096, features=5, tokens=4096, anchors=512, block=16)
 TINY = Shape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=1024, target_hidden=64,
              features=5, tokens=384, anchors=48, block=16)
-# name: (layers, attention, activation checkpointing, LM head epilogue); `train` is the dflash-train train row
-STEP_VARIANTS = {f"{a}-{n}": (n, a, False, "auto") for n in (1, 5) for a in ("split", "flex", "dense")}
-STEP_VARIANTS["flex-ckpt-5"] = (5, "flex", True, "auto")
-# the head's epilogue eager, as before issue 23's item 8: the baseline of the compiled head, in the same run
-STEP_VARIANTS.update({f"flex-{n}-eager-head": (n, "flex", False, "eager") for n in (1, 5)})
+# name: (layers, attention, activation checkpointing, LM head epilogue, layer ops); `train` is the train row
+STEP_VARIANTS = {f"{a}-{n}": (n, a, False, "auto", "auto") for n in (1, 5) for a in ("split", "flex", "dense")}
+STEP_VARIANTS["flex-ckpt-5"] = (5, "flex", True, "auto", "auto")
+# the compiled parts eager (issue 23 item 8), the baselines of the compiled head and layer ops in the same run
+STEP_VARIANTS.update({f"flex-{n}-eager": (n, "flex", False, "eager", "eager") for n in (1, 5)})
+STEP_VARIANTS["flex-5-eager-head"] = (5, "flex", False, "eager", "auto")
+STEP_VARIANTS["flex-5-eager-layers"] = (5, "flex", False, "auto", "eager")
 
 
-def _about(layers: int, attention: str, checkpointing: bool, head: str) -> str:
-    extra = (" + activation checkpointing" if checkpointing else "") + (f", {head} head" if head != "auto" else "")
-    return f"{layers} layer(s), {attention} attention{extra}, Qwen3-8B drafter shapes (CPU smoke: tiny)"
+def _label(attention: str, checkpointing: bool, head: str, layer_ops: str) -> str:
+    eager = [part for part, kind in (("head", head), ("layer ops", layer_ops)) if kind == "eager"]
+    return (attention + (" + checkpointing" if checkpointing else "")
+            + (f", {' and '.join(eager)} eager" if eager else ""))
+
+
+def _about(layers: int, attention: str, checkpointing: bool, head: str, layer_ops: str) -> str:
+    return (f"{layers} layer(s), {_label(attention + ' attention', checkpointing, head, layer_ops)}, "
+            "Qwen3-8B drafter shapes (CPU smoke: tiny)")
 
 
 VARIANTS = {**{k: _about(*v) for k, v in STEP_VARIANTS.items()},
@@ -103,11 +113,12 @@ def _sync(device: str) -> None:
 
 
 def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, device: str,
-                head: str = "auto") -> dict:
+                head: str = "auto", layer_ops: str = "auto") -> dict:
     import torch
 
+    from dflash_train import compiled
     from dflash_train.train.batches import head_rows, microbatch_loss
-    from dflash_train.train import head_epilogue
+    from dflash_train.train.device import resolve_layer_kernels
     from dflash_train.train.head_epilogue import resolve_head
     from dflash_train.train.loss import auto_logits_chunk
     from dflash_train.train.optimizer import DeviceAdamW
@@ -119,6 +130,8 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     model.activation_checkpointing = checkpointing
     chunk = auto_logits_chunk(head_rows(model), device)
     head = resolve_head(head, device)
+    layer_ops = resolve_layer_kernels(layer_ops, device, 0)
+    model.use_fused_ops(layer_ops == "compiled")
     weight = mb.weight_sum
 
     optimizer = DeviceAdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
@@ -143,7 +156,7 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"step_s": step_s, "positions": int(mb.valid.sum()), "peak_bytes": peak, "flops": step_flops(shape, mb),
-            "chunk": chunk, "head": head, "head_fallbacks": dict(head_epilogue.fallbacks)}
+            "chunk": chunk, "head": head, "layer_ops": layer_ops, "fallbacks": dict(compiled.fallbacks)}
 
 
 def train_throughput(smoke: bool, steps: int) -> dict:
@@ -202,7 +215,7 @@ def _child(spec: dict) -> dict:
     if spec["kind"] == "train":
         return train_throughput(spec["smoke"], spec["steps"])
     return run_variant(Shape(**spec["shape"]), spec["attention"], spec["checkpointing"], spec["steps"],
-                       spec["device"], spec.get("head", "auto"))
+                       spec["device"], spec.get("head", "auto"), spec.get("layer_ops", "auto"))
 
 
 def main() -> None:
@@ -234,13 +247,13 @@ def main() -> None:
     def run_one(variant: str) -> dict:
         if variant == "train":
             return run_child(__file__, {"kind": "train", "smoke": smoke, "steps": args.train_steps}, args.timeout)
-        layers, attention, checkpointing, head = STEP_VARIANTS[variant]
-        label = {"layers": layers, "attention": attention + (" + checkpointing" if checkpointing else "")
-                 + (f", {head} head" if head != "auto" else "")}
+        layers, attention, checkpointing, head, layer_ops = STEP_VARIANTS[variant]
+        label = {"layers": layers, "attention": _label(attention, checkpointing, head, layer_ops)}
         if attention == "flex" and device == "cpu":
             return {**label, "error": "n/a on CPU (no flex backward)"}
         spec = {"kind": "step", "shape": asdict(replace(base, layers=layers)), "attention": attention,
-                "checkpointing": checkpointing, "steps": steps, "device": device, "head": head}
+                "checkpointing": checkpointing, "steps": steps, "device": device, "head": head,
+                "layer_ops": layer_ops}
         return {**label, **run_child(__file__, spec, args.timeout)}
 
     header = False

@@ -19,7 +19,8 @@ Two entry points share every weight and every formula:
   mask; the CPU default), "dense" (the naive dense-mask reference), "flex" (compiled flex
   attention with a tile-level block mask, model/flex.py; the GPU default). With
   `activation_checkpointing` set, each layer keeps only its input and recomputes the rest in
-  the backward.
+  the backward. `use_fused_ops(True)` runs RMSNorm, SwiGLU and RoPE as compiled fused kernels
+  (model/fused_ops.py: the same maths; the GPU training default).
 Attribute names are the checkpoint tensor names, so state_dict() is the checkpoint.
 """
 
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from dflash_train.model import fused_ops
 from dflash_train.model.config import DFlashConfig
 
 
@@ -42,7 +44,11 @@ class DFlashRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
+    fused = False  # objective.layer_kernels compiled: model/fused_ops.py (set by DFlashDraftModel.use_fused_ops)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -96,7 +102,11 @@ class DFlashMLP(nn.Module):
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {config.hidden_act!r}: DFlash drafters use silu")
 
+    fused = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(fused_ops.swiglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -188,6 +198,8 @@ class TrainLayout:
 
 
 class DFlashAttention(nn.Module):
+    fused = False
+
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -208,11 +220,19 @@ class DFlashAttention(nn.Module):
         """[..., n, heads*d] -> [..., heads, n, d]"""
         return x.unflatten(-1, (n_heads, self.head_dim)).transpose(-2, -3)
 
+    def _normed_heads(self, x: torch.Tensor, norm: DFlashRMSNorm, n_heads: int) -> torch.Tensor:
+        """The per-head RMSNorm before the heads move forward: each row of d is normed alike either way,
+        and the norm reads contiguous memory."""
+        return norm(x.unflatten(-1, (n_heads, self.head_dim))).transpose(-2, -3)
+
+    def _rope(self, x, cos, sin):
+        return fused_ops.apply_rope(x, cos, sin) if self.fused else apply_rope(x, cos, sin)
+
     def project_queries(self, h, cos, sin):
-        return apply_rope(self.q_norm(self._heads(self.q_proj(h), self.num_heads)), cos, sin)
+        return self._rope(self._normed_heads(self.q_proj(h), self.q_norm, self.num_heads), cos, sin)
 
     def project_kv(self, x, cos, sin):
-        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        k = self._rope(self._normed_heads(self.k_proj(x), self.k_norm, self.num_kv_heads), cos, sin)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         return k, v
 
@@ -388,6 +408,13 @@ class DFlashDraftModel(nn.Module):
         # borrowed from the target, frozen and never saved: kept off the module tree
         self._target_embed: torch.Tensor | None = None
         self._target_lm_head: torch.Tensor | None = None
+
+    def use_fused_ops(self, on: bool = True) -> DFlashDraftModel:
+        """RMSNorm, SwiGLU and RoPE as compiled fused kernels (on) or eager (off); same maths, same weights."""
+        for module in self.modules():
+            if isinstance(module, (DFlashRMSNorm, DFlashMLP, DFlashAttention)):
+                module.fused = on
+        return self
 
     # the target's embedding and LM head --------------------------------------------------------
     def attach_target(self, target_model) -> DFlashDraftModel:

@@ -1,5 +1,5 @@
 """What the training step takes from the device it runs on: the attention kernel, the LM-head chunk
-and its epilogue (compiled on a CUDA GPU) for that device, and the error for a micro-batch that does not fit in its memory.
+and its epilogue, the draft layers' fused ops (both compiled on a CUDA GPU) for that device, and the error for a micro-batch that does not fit in its memory.
 
 `objective.attention: auto` is compiled flex attention on a CUDA GPU and the exact split
 attention on CPU. Flex attention is only ever run compiled (model/flex.py); torch has no
@@ -27,6 +27,7 @@ class StepKernels:
     attention: str  # split | dense | flex (auto resolved)
     logits_chunk: int
     head: str = "eager"  # eager | compiled (auto resolved): the LM head's per-chunk epilogue
+    layers: str = "eager"  # eager | compiled (auto resolved): the draft layers' RMSNorm, SwiGLU, RoPE
 
 
 def resolve_attention(choice: str, device: torch.device | str) -> str:
@@ -43,7 +44,16 @@ def step_kernels(recipe: TrainRecipe, device: torch.device | str, vocab: int) ->
     """The recipe's `auto` choices resolved for `device`; `vocab`: rows of the LM head."""
     o = recipe.objective
     chunk = auto_logits_chunk(vocab, device) if o.logits_chunk == "auto" else int(o.logits_chunk)
-    return StepKernels(resolve_attention(o.attention, device), chunk, resolve_head(o.head, device))
+    return StepKernels(resolve_attention(o.attention, device), chunk, resolve_head(o.head, device),
+                       resolve_layer_kernels(o.layer_kernels, device, recipe.engine.zero_stage))
+
+
+def resolve_layer_kernels(choice: str, device: torch.device | str, zero_stage: int) -> str:
+    """`objective.layer_kernels`: auto is compiled on a CUDA GPU below ZeRO-3 (whose parameter gathers run
+    inside every module call: kept eager, as DeepSpeed's own compile support expects), eager elsewhere."""
+    if choice == "auto":
+        return "compiled" if torch.device(device).type == "cuda" and zero_stage < 3 else "eager"
+    return choice
 
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}

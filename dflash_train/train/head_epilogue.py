@@ -19,8 +19,7 @@ dynamic, so the last, shorter chunk of a micro-batch and the held-out check's ch
 kernel (tests/unit/train/test_head_epilogue.py counts them).
 
 A compile that fails on the machine at hand (a Triton or compiler problem, not a bug in the maths)
-does not end the run: that epilogue warns once and runs eager from then on (the same results, slower;
-`fallbacks` says which, and why).
+does not end the run: that epilogue warns once and runs eager from then on (dflash_train/compiled.py).
 
 Both functions are written to run well eager too (CPU's default): each [n, V] temporary is made
 once and then updated in place.
@@ -28,9 +27,9 @@ once and then updated in place.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
+
+from dflash_train.compiled import call
 
 HEAD_CHOICES = ("auto", "eager", "compiled")
 
@@ -64,61 +63,21 @@ def kl_chunk(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, weights: 
     return loss, preds, d.to(grad_dtype)
 
 
-_COMPILED: dict[str, object] = {}
-
-
-def _compiled(name: str, fn):
-    if name not in _COMPILED:
-        # fullgraph: a graph break here would silently run the slow path; dynamic=None with the row
-        # dimension marked below: one kernel for every chunk length, the vocabulary kept static
-        _COMPILED[name] = torch.compile(fn, fullgraph=True, dynamic=None)
-    return _COMPILED[name]
-
-
-def _rows_dynamic(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-
-
-fallbacks: dict[str, str] = {}  # epilogue -> why it runs eager although compiled was asked for
-
-
-def _compile_failure(exc: BaseException) -> bool:
-    """An error of torch's compiler stack (Dynamo, Inductor, the Triton or C++ build under them)."""
-    return (isinstance(exc, torch._dynamo.exc.TorchDynamoException)
-            or type(exc).__module__.startswith(("torch._inductor", "triton")))
-
-
-def _call(name: str, fn, *args):
-    if name in fallbacks:
-        return fn(*args)
-    try:
-        return _compiled(name, fn)(*args)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:
-        if not _compile_failure(exc):
-            raise
-        why = (str(exc).strip().splitlines() or [""])[0][:300]
-        fallbacks[name] = f"{type(exc).__name__}: {why}"
-        warnings.warn(f"objective.head compiled: the {name} epilogue did not compile here ({fallbacks[name]}); "
-                      "it runs eager from now on (same results, slower); objective.head: eager skips the try",
-                      stacklevel=3)
-        return fn(*args)
+KNOB = "objective.head compiled"
 
 
 def ce(logits, labels, weights, grad_dtype, compiled: bool):
     if not compiled:
         return ce_chunk(logits, labels, weights, grad_dtype)
-    _rows_dynamic(logits, labels, weights)
-    return _call("ce", ce_chunk, logits, labels, weights, grad_dtype)
+    return call("head ce epilogue", ce_chunk, (logits, labels, weights, grad_dtype),
+                {0: [0], 1: [0], 2: [0]}, KNOB)
 
 
 def kl(logits, ids, p, weights, grad_dtype, compiled: bool):
     if not compiled:
         return kl_chunk(logits, ids, p, weights, grad_dtype)
-    _rows_dynamic(logits, ids, p, weights)
-    return _call("kl", kl_chunk, logits, ids, p, weights, grad_dtype)
+    return call("head kl epilogue", kl_chunk, (logits, ids, p, weights, grad_dtype),
+                {0: [0], 1: [0], 2: [0], 3: [0]}, KNOB)
 
 
 def resolve_head(choice: str, device: torch.device | str) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_train import compiled
 from dflash_train.data.packing import plan_microbatches
 from dflash_train.errors import ConfigError
 from dflash_train.train import checkpointing as ckpt
@@ -46,7 +47,6 @@ from dflash_train.train.engine import (
     forward_precision,
     init_distributed,
 )
-from dflash_train.train import head_epilogue
 from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.loss import BlockStats
 from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
@@ -296,6 +296,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     engine, scheduler = build_engine(drafter, recipe, plan.total)
     engine.module.attach_target(target_model)
     kernels = step_kernels(recipe, world.device, head_rows(engine.module))
+    engine.module.use_fused_ops(kernels.layers == "compiled")
 
     state = {"step": 0, "tokens": 0, "positions": 0, "history": []}
     if resume and ckpt.step_folders(output):
@@ -396,9 +397,9 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             "fit_loss": fit_last and fit_last["loss"], "fit_accept_len": fit_last and fit_last["accept_len"],
             "fit_accept_len_by_source": fit_last and _by_source(fit_last),
             "holdout_rows": len(held), "train_rows": len(train_rows), "world_size": world.size,
-            # what ran: the attention kernel, the LM head's epilogue, and any compiled part that fell back
-            "kernels": {"attention": kernels.attention, "head": kernels.head, "logits_chunk": kernels.logits_chunk,
-                        "head_fallbacks": dict(head_epilogue.fallbacks)},
+            # what ran: attention, the LM head's epilogue, the layers' fused ops, any compiled part that fell back
+            "kernels": {"attention": kernels.attention, "head": kernels.head, "layers": kernels.layers,
+                        "logits_chunk": kernels.logits_chunk, "fallbacks": dict(compiled.fallbacks)},
             "wall_time_s": round(time.time() - t_start, 2), "final": str(final), "eval": None,
         }
         write_summary(output / "summary.json", summary)

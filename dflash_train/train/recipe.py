@@ -159,6 +159,9 @@ class ObjectiveConfig(_Section):
     # the head's per-chunk softmax, loss and argmax; auto: fused compiled kernels on a CUDA GPU, eager on
     # CPU (train/head_epilogue.py); compiled also runs on CPU (Inductor's C++ kernels)
     head: Literal["auto", "eager", "compiled"] = "auto"
+    # the draft layers' RMSNorm, SwiGLU and RoPE; auto: fused compiled kernels on a CUDA GPU below ZeRO-3,
+    # eager otherwise (model/fused_ops.py)
+    layer_kernels: Literal["auto", "eager", "compiled"] = "auto"
 
 
 class OptimConfig(_Section):

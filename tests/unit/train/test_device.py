@@ -38,11 +38,15 @@ def test_flex_without_cuda_names_the_field_and_the_choices():
 
 
 def test_step_kernels_resolve_auto_for_the_device():
-    assert step_kernels(_recipe(), "cpu", 49152) == StepKernels("split", 1024, "eager")
-    assert step_kernels(_recipe(), "cuda", 49152) == StepKernels("flex", 4352, "compiled")
+    assert step_kernels(_recipe(), "cpu", 49152) == StepKernels("split", 1024, "eager", "eager")
+    assert step_kernels(_recipe(), "cuda", 49152) == StepKernels("flex", 4352, "compiled", "compiled")
     assert step_kernels(_recipe("objective.logits_chunk=300", "objective.attention=dense", "objective.head=eager"),
-                        "cuda", 49152) == StepKernels("dense", 300, "eager")
+                        "cuda", 49152) == StepKernels("dense", 300, "eager", "compiled")
     assert step_kernels(_recipe("objective.head=compiled"), "cpu", 49152).head == "compiled"
+    assert step_kernels(_recipe("objective.layer_kernels=compiled"), "cpu", 49152).layers == "compiled"
+    assert step_kernels(_recipe("engine.zero_stage=3"), "cuda", 49152).layers == "eager"  # gathers in every call
+    with pytest.raises(ConfigError, match="objective.layer_kernels"):
+        _recipe("objective.layer_kernels=liger")
     with pytest.raises(ConfigError, match="objective.logits_chunk"):
         _recipe("objective.logits_chunk=0")
     with pytest.raises(ConfigError, match="objective.head"):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from dflash_train import compiled
 from dflash_train.train import head_epilogue
 from dflash_train.train.loss import head_loss, reference_head_loss
 
@@ -89,21 +90,30 @@ def test_a_compile_failure_warns_once_and_runs_eager_while_other_errors_propagat
             raise torch._dynamo.exc.TorchDynamoException("triton: no kernel for this GPU")
         return run
 
-    monkeypatch.setattr(head_epilogue, "_compiled", broken)
-    monkeypatch.setattr(head_epilogue, "fallbacks", {})
+    monkeypatch.setattr(compiled, "compiled", broken)
+    monkeypatch.setattr(compiled, "fallbacks", {})
     case = _case(9, 8, 31, seed=1)
-    with pytest.warns(UserWarning, match=r"the ce epilogue did not compile here .*triton: no kernel"):
+    with pytest.warns(UserWarning, match=r"objective.head compiled: head ce epilogue did not compile here .*triton"):
         fused = head_loss(*case[:4], chunk=4, compiled=True)
     eager = head_loss(*case[:4], chunk=4, compiled=False)
     assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1])
-    assert calls == ["ce"]  # tried once; the next chunks and calls go straight to eager
-    assert "ce" in head_epilogue.fallbacks and "kl" not in head_epilogue.fallbacks
+    assert calls == ["head ce epilogue"]  # tried once; the next chunks and calls go straight to eager
+    assert list(compiled.fallbacks) == ["head ce epilogue"]
 
     def wrong(name, fn):
         def run(*args):
             raise ValueError("a bug in the maths")
         return run
 
-    monkeypatch.setattr(head_epilogue, "_compiled", wrong)
+    monkeypatch.setattr(compiled, "compiled", wrong)
     with pytest.raises(ValueError, match="a bug in the maths"):
         head_loss(*case[:4], "kl", case[4], chunk=4, compiled=True)
+    with pytest.raises(torch.OutOfMemoryError):  # out of memory is the caller's to report, never hidden
+        monkeypatch.setattr(compiled, "compiled", lambda name, fn: _raise(torch.OutOfMemoryError("CUDA oom")))
+        head_loss(*case[:4], "kl", case[4], chunk=4, compiled=True)
+
+
+def _raise(exc):
+    def run(*args):
+        raise exc
+    return run

@@ -254,19 +254,22 @@ def test_bf16_mixed_stays_closer_to_fp32_than_bf16_weights(reference_run, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_run_with_the_compiled_head_trains_the_eager_runs_weights(reference_run, tmp_path):
-    """objective.head: compiled (the CUDA default) through the real command on CPU (Inductor's C++ kernels):
-    the same losses, held-out check and weights as the eager head, to fp32 rounding."""
+def test_a_run_with_compiled_kernels_trains_the_eager_runs_weights(reference_run, tmp_path):
+    """objective.head and objective.layer_kernels compiled (the CUDA defaults) through the real command on
+    CPU (Inductor's C++ kernels): the same losses, held-out check and weights as the eager run, to fp32
+    rounding, and nothing fell back to eager."""
     recipe, ref = reference_run
     out = tmp_path / "compiled"
-    res = _train(["--config", recipe, "--output", out, "--set", "objective.head=compiled"])
+    res = _train(["--config", recipe, "--output", out, "--set", "objective.head=compiled",
+                  "--set", "objective.layer_kernels=compiled"])
     assert res.returncode == 0, res.stderr[-3000:]
     eager, fused = _weights(ref / "final"), _weights(out / "final")
     assert max(float((fused[k] - eager[k]).abs().max()) for k in eager) < 1e-4
     a, b = (json.loads((r / "summary.json").read_text()) for r in (ref, out))
     assert abs(a["val_loss"] - b["val_loss"]) < 1e-4 * a["val_loss"] and a["val_accept_len"] == b["val_accept_len"]
-    assert a["kernels"]["head"] == "eager" and a["kernels"]["attention"] == "split"  # auto on CPU
-    assert b["kernels"]["head"] == "compiled" and b["kernels"]["head_fallbacks"] == {}  # it really compiled
+    assert a["kernels"] == {"attention": "split", "head": "eager", "layers": "eager", "logits_chunk": 64,
+                            "fallbacks": {}}  # auto on CPU
+    assert b["kernels"]["head"] == b["kernels"]["layers"] == "compiled" and b["kernels"]["fallbacks"] == {}
 
 
 class _EngineOnMeta:

@@ -126,6 +126,15 @@ class DFlashConfig(BaseModel):
     def rope(self) -> dict[str, Any]:
         return self.rope_parameters or {"rope_type": "default", "rope_theta": self.rope_theta}
 
+    @property
+    def num_parameters(self) -> int:
+        """The drafter's trainable-or-saved weights (its state_dict, buffers aside), counted from the config."""
+        h, d, q, kv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        attention = h * d * (2 * q + 2 * kv) + (d * (2 * q + 2 * kv) if self.attention_bias else 0) + 2 * d
+        per_layer = attention + 3 * h * self.intermediate_size + 2 * h
+        lm_head = self.draft_vocab_size * h if self.reduced_vocab else 0
+        return self.num_hidden_layers * per_layer + self.num_aux_layers * self.target_hidden_size * h + 2 * h + lm_head
+
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full_attention"
 

@@ -8,6 +8,7 @@ flex-attention backward on CPU, so `flex` without CUDA is refused before anythin
 
 from __future__ import annotations
 
+import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -91,6 +92,39 @@ def oom_error(exc: BaseException, recipe: TrainRecipe, device: torch.device | st
         peak = torch.cuda.max_memory_allocated(device)
         total = torch.cuda.get_device_properties(device).total_memory
     return ConfigError(oom_message(recipe, str(device), requested_bytes(str(exc)), peak, total))
+
+
+TRAIN_BYTES_PER_PARAMETER = 16  # weights and gradients (bf16 or fp32), fp32 masters, AdamW's two moments
+
+
+def device_memory(device: torch.device | str) -> int | None:
+    """Total memory of a CUDA device, or the machine's RAM for the CPU (None where unknown)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_drafter_fits(recipe: TrainRecipe, parameters: int, device: torch.device | str, world_size: int,
+                       memory: int | None = None) -> None:
+    """Refuse, before anything is allocated, a drafter whose training state cannot fit at all: 16 bytes per
+    parameter, divided over the ranks under ZeRO (a lower bound: activations come on top). A typo such as
+    drafter.num_layers: 1000 otherwise ends in the kernel's out-of-memory kill, with no message."""
+    memory = device_memory(device) if memory is None else memory
+    shards = world_size if recipe.engine.zero_stage >= 1 else 1
+    needed = parameters * TRAIN_BYTES_PER_PARAMETER // shards
+    if memory is None or needed <= memory:
+        return
+    d = recipe.drafter
+    size = f"drafter.num_layers {d.num_layers}" + (f", drafter.intermediate_size {d.intermediate_size}"
+                                                   if d.intermediate_size else "")
+    raise ConfigError(f"{size}: the drafter has {parameters / 1e9:.2f}B parameters, and training them needs at "
+                      f"least {needed / 2**30:.1f} GiB (weights, gradients and AdamW state{' per rank' if shards > 1 else ''}); "
+                      f"{torch.device(device)} holds {memory / 2**30:.1f} GiB. Lower drafter.num_layers or "
+                      "drafter.intermediate_size" + ("" if recipe.engine.zero_stage else ", or shard it with engine.zero_stage"))
 
 
 @contextmanager

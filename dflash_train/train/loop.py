@@ -28,7 +28,7 @@ from dflash_train.errors import ConfigError
 from dflash_train.train import checkpointing as ckpt
 from dflash_train.train.anchors import anchor_candidates
 from dflash_train.train.batches import build_microbatch, head_rows, microbatch_loss
-from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, step_kernels
+from dflash_train.train.device import StepKernels, check_drafter_fits, oom_guard, resolve_attention, step_kernels
 from dflash_train.train.documents import (
     DocumentSource,
     fit_rows,
@@ -194,7 +194,7 @@ def _by_source(entry: dict) -> dict:
     return {k.removeprefix("accept_len_"): v for k, v in entry.items() if k.startswith("accept_len_")}
 
 
-def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer, token_counts):
+def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer, token_counts, world: World):
     """A new drafter as the recipe says (or `drafter.init_from`); a reduced draft vocabulary keeps the
     ids most frequent in `token_counts`, a callable returning the training rows' supervised counts."""
     from dflash_train.features.layer_ids import check_target_layer_ids
@@ -218,6 +218,7 @@ def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenize
                                     mask_token_id=d.mask_token_id, num_features=d.num_features,
                                     target_layer_ids=d.target_layer_ids, intermediate_size=d.intermediate_size,
                                     dtype=d.dtype)
+    check_drafter_fits(recipe, cfg.num_parameters, world.device, world.size)
     model = DFlashDraftModel(cfg)
     model.init_weights(seed=recipe.seed)
     if d.init_from_target_layer is not None:
@@ -278,7 +279,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
 
         return training_token_frequencies(rows, train_rows, read_token_freq(data_path))
 
-    drafter = _build_drafter(recipe, target_path, target_model, tokenizer, token_counts).to(world.device)
+    drafter = _build_drafter(recipe, target_path, target_model, tokenizer, token_counts, world).to(world.device)
     check_writable(output, "--output", space_needed(drafter, recipe), inside=output.is_dir())
     cache = None
     topk = recipe.objective.kl_topk if recipe.objective.loss == "kl" else None  # teacher top-k for the kl loss

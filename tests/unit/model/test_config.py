@@ -51,3 +51,20 @@ def test_target_only_rope_keys_stay_behind():
     tc = _target("qwen3_next", rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                                                 "partial_rotary_factor": 0.25})
     assert drafter_rope(tc) == {"rope_type": "default", "rope_theta": 1e7}
+
+
+def test_the_parameter_count_from_the_config_is_the_models():
+    """What the training refuses a too-large drafter by, before any allocation, counted from the config."""
+    import torch
+
+    from dflash_train.model.config import DFlashConfig
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+
+    for bias, draft_vocab, layers in ((False, 1000, 2), (True, 500, 3)):
+        cfg = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=1000, draft_vocab_size=draft_vocab,
+                           target_hidden_size=48, aux_hidden_state_layer_ids=[2, 4, 6], block_size=8, mask_token_id=3,
+                           attention_bias=bias)
+        with torch.device("meta"):
+            model = DFlashDraftModel(cfg)
+        assert cfg.num_parameters == sum(p.numel() for p in model.parameters())

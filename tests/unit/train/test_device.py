@@ -79,3 +79,16 @@ def test_oom_in_a_step_becomes_a_config_error_without_the_cuda_trace():
     with pytest.raises(ValueError):  # other errors pass through untouched
         with oom_guard(recipe, "cpu"):
             raise ValueError("not memory")
+
+
+def test_a_drafter_that_cannot_fit_is_refused_naming_its_size_and_zero_shards_it():
+    from dflash_train.train.device import check_drafter_fits
+
+    gib = 2**30
+    check_drafter_fits(_recipe(), 10**9, "cpu", 1, memory=16 * gib)  # 1B parameters: 14.9 GiB of state, fits
+    with pytest.raises(ConfigError, match=r"drafter.num_layers 1: the drafter has 2.00B parameters, and training "
+                                          r"them needs at least 29.8 GiB .*; cpu holds 16.0 GiB.*engine.zero_stage"):
+        check_drafter_fits(_recipe(), 2 * 10**9, "cpu", 1, memory=16 * gib)
+    check_drafter_fits(_recipe("engine.zero_stage=1"), 2 * 10**9, "cuda", 8, memory=16 * gib)  # 3.7 GiB a rank
+    with pytest.raises(ConfigError, match=r"needs at least 37.3 GiB \(weights, gradients and AdamW state per rank\)"):
+        check_drafter_fits(_recipe("engine.zero_stage=2"), 20 * 10**9, "cuda", 8, memory=16 * gib)

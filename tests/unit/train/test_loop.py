@@ -123,6 +123,10 @@ def test_two_ranks_match_one_rank(reference_run, tmp_path):
     ("drafter.mask_token_id=300", "drafter.mask_token_id: 300"),
     ("drafter.block_size=1", "drafter.block_size"),
     ("objective.attention=flex", "objective.attention: flex needs a CUDA GPU"),  # this machine has none
+    # refused before a byte is allocated, not killed by the kernel's out-of-memory killer
+    ("drafter.intermediate_size=1000000000", "drafter.num_layers 1, drafter.intermediate_size 1000000000: the "
+                                             "drafter has 192.00B parameters"),
+    ("drafter.num_layers=100000000", "drafter.num_layers 100000000: the drafter has"),
 ])
 def test_bad_input_is_refused(tmp_path, train_tiny_target, train_prepared, override, needle):
     recipe = _recipe(tmp_path, train_tiny_target, train_prepared)

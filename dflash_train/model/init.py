@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from dflash_train.features.architectures import architecture
 from dflash_train.features.mask_token import check_mask_token_id, default_mask_token_id
 from dflash_train.features.target import DEFAULT_TARGET_NAME, load_target_config, load_tokenizer, resolve_target
@@ -58,28 +60,57 @@ def reduce_drafter_vocab(model: DFlashDraftModel, token_counts, draft_vocab_size
     return reduced
 
 
+# the drafter's norm <- the target layer's norm that plays its part: Gemma's sandwich layers normalise
+# the attention *output* in post_attention_layernorm and the MLP input in pre_feedforward_layernorm
+_NORMS = {"input_layernorm": ("input_layernorm",),
+          "post_attention_layernorm": ("pre_feedforward_layernorm", "post_attention_layernorm"),
+          "self_attn.q_norm": ("self_attn.q_norm",), "self_attn.k_norm": ("self_attn.k_norm",)}
+
+
+def norm_gain(norm) -> torch.Tensor:
+    """The per-channel gain a target RMSNorm module applies to a unit-RMS input: its weight for Llama and
+    Qwen3, 1 + weight for the zero-centred norms of Gemma and Qwen3-Next / Qwen3.5. Read off the module
+    itself, so every form of the formula gives what the drafter's `weight * x_hat` needs."""
+    weight = norm.weight
+    # a constant row of 1024: its mean square 2^20 swallows any eps in fp32, so x_hat is exactly 1
+    probe = torch.full((1, weight.shape[-1]), 1024.0, dtype=torch.float32, device=weight.device)
+    with torch.no_grad():
+        return norm(probe).float()[0]
+
+
 def init_from_target_layer(model: DFlashDraftModel, target_model, layer_index: int = -1) -> DFlashDraftModel:
     """Start every draft layer from one target decoder layer and the final norm from the target's.
 
     The drafter scores with the target's LM head (or its rows), which expects hidden states
     normalised by the target's final norm; and a pretrained layer is a far better start than a
     random one when data or compute is small. Tensors whose shapes differ (a draft narrower than
-    the target) and q_norm/k_norm (absent in Llama-style targets) keep their initialisation.
+    the target) and q_norm/k_norm (absent in Llama-style targets) keep their initialisation. Norms are
+    copied by what they compute (`norm_gain`), not by their stored weight, which a zero-centred norm
+    keeps near 0.
     """
-    import torch
-
     from dflash_train.features.extract import decoder_layers
 
     layers = decoder_layers(target_model)
-    source = layers[layer_index].state_dict()
+    source_layer = layers[layer_index]
+    source = source_layer.state_dict()
+    modules = dict(source_layer.named_modules())
+    gains = {}
+    for mine, theirs in _NORMS.items():
+        found = next((modules[n] for n in theirs if n in modules and hasattr(modules[n], "weight")), None)
+        if found is not None:
+            gains[f"{mine}.weight"] = norm_gain(found)
+    norm_names = {f"{n}.weight" for names in _NORMS.values() for n in names}
     with torch.no_grad():
         for layer in model.layers:
             own = layer.state_dict()
             for name, tensor in source.items():
-                if name in own and own[name].shape == tensor.shape:
+                if name in own and name not in norm_names and own[name].shape == tensor.shape:
                     own[name].copy_(tensor.to(own[name].dtype))
-        final_norm = (target_model.get_decoder() if hasattr(target_model, "get_decoder")
-                      else target_model.model).norm.weight
-        if final_norm.shape == model.norm.weight.shape:
-            model.norm.weight.copy_(final_norm.to(model.norm.weight.dtype))
+            for name, gain in gains.items():
+                if own[name].shape == gain.shape:
+                    own[name].copy_(gain.to(own[name].dtype))
+        final_norm = (target_model.get_decoder() if hasattr(target_model, "get_decoder") else target_model.model).norm
+        gain = norm_gain(final_norm)
+        if gain.shape == model.norm.weight.shape:
+            model.norm.weight.copy_(gain.to(model.norm.weight.dtype))
     return model

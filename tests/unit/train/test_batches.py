@@ -371,8 +371,12 @@ def test_zero3_reads_the_partitioned_frozen_head_gathered_and_equals_zero0():
     z0, z3 = results[0], results[3]
     assert z3["partitioned"] and not z0["partitioned"] and z3["rows"] == z0["rows"] == 64
     assert abs(z3["loss"] - z0["loss"]) <= 1e-5 * abs(z0["loss"])
+    # one AdamW step at lr 1e-2 moves each weight by up to ~1e-2; the two stages' optimizers (torch's fused
+    # AdamW without ZeRO, DeepSpeed's partitioned one) differ by summation order, which Adam's normalisation
+    # can scale up for a near-zero gradient (2.4e-6 seen on fc.weight): 1e-5 is a thousandth of the step,
+    # while reading a wrong head partition changes every weight by the step's size
     for name, w in z0["weights"].items():
-        torch.testing.assert_close(torch.tensor(z3["weights"][name]), torch.tensor(w), rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(torch.tensor(z3["weights"][name]), torch.tensor(w), rtol=1e-5, atol=1e-5,
                                    msg=name)
     assert z3["weights"]["lm_head.weight"] == z0["weights"]["lm_head.weight"]  # frozen: untouched
 

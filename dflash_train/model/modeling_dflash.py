@@ -19,8 +19,7 @@ Two entry points share every weight and every formula:
   mask; the CPU default), "dense" (the naive dense-mask reference), "flex" (compiled flex
   attention with a tile-level block mask, model/flex.py; the GPU default). With
   `activation_checkpointing` set, each layer keeps only its input and recomputes the rest in
-  the backward. `use_fused_ops(True)` runs RMSNorm, SwiGLU and RoPE as compiled fused kernels
-  (model/fused_ops.py: the same maths; the GPU training default).
+  the backward; with `use_fused_ops(True)`, RMSNorm, SwiGLU and RoPE run compiled (model/fused_ops.py).
 Attribute names are the checkpoint tensor names, so state_dict() is the checkpoint.
 """
 
@@ -43,8 +42,7 @@ class DFlashRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-
-    fused = False  # objective.layer_kernels compiled: model/fused_ops.py (set by DFlashDraftModel.use_fused_ops)
+        self.fused = False  # model/fused_ops.py instead (DFlashDraftModel.use_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -101,13 +99,11 @@ class DFlashMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {config.hidden_act!r}: DFlash drafters use silu")
-
-    fused = False
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return self.down_proj(fused_ops.swiglu(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(fused_ops.swiglu(gate, up) if self.fused else F.silu(gate) * up)
 
 
 @dataclass
@@ -198,10 +194,9 @@ class TrainLayout:
 
 
 class DFlashAttention(nn.Module):
-    fused = False
-
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
+        self.fused = False
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -216,23 +211,18 @@ class DFlashAttention(nn.Module):
         self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
 
     # projections -----------------------------------------------------------------------------
-    def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
-        """[..., n, heads*d] -> [..., heads, n, d]"""
-        return x.unflatten(-1, (n_heads, self.head_dim)).transpose(-2, -3)
-
-    def _normed_heads(self, x: torch.Tensor, norm: DFlashRMSNorm, n_heads: int) -> torch.Tensor:
-        """The per-head RMSNorm before the heads move forward: each row of d is normed alike either way,
-        and the norm reads contiguous memory."""
-        return norm(x.unflatten(-1, (n_heads, self.head_dim))).transpose(-2, -3)
-
-    def _rope(self, x, cos, sin):
-        return fused_ops.apply_rope(x, cos, sin) if self.fused else apply_rope(x, cos, sin)
+    def _heads(self, x: torch.Tensor, n_heads: int, norm: DFlashRMSNorm | None = None) -> torch.Tensor:
+        """[..., n, heads*d] -> [..., heads, n, d]; `norm` (per head) runs first, on contiguous rows"""
+        x = x.unflatten(-1, (n_heads, self.head_dim))
+        return (x if norm is None else norm(x)).transpose(-2, -3)
 
     def project_queries(self, h, cos, sin):
-        return self._rope(self._normed_heads(self.q_proj(h), self.q_norm, self.num_heads), cos, sin)
+        rope = fused_ops.apply_rope if self.fused else apply_rope
+        return rope(self._heads(self.q_proj(h), self.num_heads, self.q_norm), cos, sin)
 
     def project_kv(self, x, cos, sin):
-        k = self._rope(self._normed_heads(self.k_proj(x), self.k_norm, self.num_kv_heads), cos, sin)
+        rope = fused_ops.apply_rope if self.fused else apply_rope
+        k = rope(self._heads(self.k_proj(x), self.num_kv_heads, self.k_norm), cos, sin)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         return k, v
 
@@ -409,12 +399,11 @@ class DFlashDraftModel(nn.Module):
         self._target_embed: torch.Tensor | None = None
         self._target_lm_head: torch.Tensor | None = None
 
-    def use_fused_ops(self, on: bool = True) -> DFlashDraftModel:
+    def use_fused_ops(self, on: bool = True) -> None:
         """RMSNorm, SwiGLU and RoPE as compiled fused kernels (on) or eager (off); same maths, same weights."""
         for module in self.modules():
             if isinstance(module, (DFlashRMSNorm, DFlashMLP, DFlashAttention)):
                 module.fused = on
-        return self
 
     # the target's embedding and LM head --------------------------------------------------------
     def attach_target(self, target_model) -> DFlashDraftModel:

@@ -181,7 +181,7 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
         # kl scores a slot whose label the reduced vocab lacks when some of its top-k ids are in it
         tids, p, keep = topk_soft_targets(model.target_to_draft(ids.long()), logp, labels)
         target = (tids, p)
-    with full_head_weight(model) as head:
-        loss_sum, preds = head_loss(hidden.flatten(0, 1).index_select(0, index), head, labels.clamp(min=0),
+    with full_head_weight(model) as weight:
+        loss_sum, preds = head_loss(hidden.flatten(0, 1).index_select(0, index), weight, labels.clamp(min=0),
                                     w * keep, kind=loss, target=target, chunk=chunk, compiled=head == "compiled")
     return loss_sum, model.draft_to_target(preds)

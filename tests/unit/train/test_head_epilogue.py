@@ -117,3 +117,28 @@ def _raise(exc):
     def run(*args):
         raise exc
     return run
+
+
+@pytest.mark.parametrize("head, expected", [("compiled", ["head ce epilogue"]), ("eager", [])])
+def test_the_training_step_runs_the_head_it_is_asked_for(monkeypatch, head, expected):
+    """microbatch_loss(head=...) reaches the compiled epilogue exactly when asked (the step's own head
+    weight once shadowed the choice, so a GPU run silently kept the eager head)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    from bench_train_step import Shape, build_step
+
+    from dflash_train.train.batches import microbatch_loss
+
+    seen = []
+
+    def spy(name, fn, args, dynamic=None, knob=""):
+        seen.append(name)
+        return fn(*args)
+
+    monkeypatch.setattr(head_epilogue, "call", spy)
+    model, mb = build_step(Shape(hidden=32, intermediate=64, heads=2, kv_heads=1, head_dim=16, vocab=256,
+                                 target_hidden=32, features=2, tokens=96, anchors=8, block=4), "cpu", torch.float32)
+    microbatch_loss(model, mb, chunk=64, head=head)
+    assert sorted(set(seen)) == expected

@@ -118,8 +118,7 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
 
     from dflash_train import compiled
     from dflash_train.train.batches import head_rows, microbatch_loss
-    from dflash_train.train.device import resolve_layer_kernels
-    from dflash_train.train.head_epilogue import resolve_head
+    from dflash_train.train.device import resolve_head, resolve_layer_kernels
     from dflash_train.train.loss import auto_logits_chunk
     from dflash_train.train.optimizer import DeviceAdamW
 

@@ -1,5 +1,6 @@
 """What the training step takes from the device it runs on: the attention kernel, the LM-head chunk
-and its epilogue, the draft layers' fused ops (both compiled on a CUDA GPU) for that device, and the error for a micro-batch that does not fit in its memory.
+and its epilogue, the draft layers' fused ops (both compiled on a CUDA GPU) for that device, and the
+errors for a micro-batch or a drafter that does not fit in its memory.
 
 `objective.attention: auto` is compiled flex attention on a CUDA GPU and the exact split
 attention on CPU. Flex attention is only ever run compiled (model/flex.py); torch has no
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.errors import ConfigError
-from dflash_train.train.head_epilogue import resolve_head
 from dflash_train.train.loss import auto_logits_chunk
 from dflash_train.train.recipe import TrainRecipe
 
@@ -47,6 +47,18 @@ def step_kernels(recipe: TrainRecipe, device: torch.device | str, vocab: int) ->
     chunk = auto_logits_chunk(vocab, device) if o.logits_chunk == "auto" else int(o.logits_chunk)
     return StepKernels(resolve_attention(o.attention, device), chunk, resolve_head(o.head, device),
                        resolve_layer_kernels(o.layer_kernels, device, recipe.engine.zero_stage))
+
+
+HEAD_CHOICES = ("auto", "eager", "compiled")
+
+
+def resolve_head(choice: str, device: torch.device | str) -> str:
+    """`objective.head`: auto is compiled on a CUDA GPU, eager elsewhere (CPU keeps the eager head)."""
+    if choice == "auto":
+        return "compiled" if torch.device(device).type == "cuda" else "eager"
+    if choice not in HEAD_CHOICES:
+        raise ValueError(f"objective.head {choice!r}: choose one of {', '.join(HEAD_CHOICES)}")
+    return choice
 
 
 def resolve_layer_kernels(choice: str, device: torch.device | str, zero_stage: int) -> str:
@@ -121,10 +133,12 @@ def check_drafter_fits(recipe: TrainRecipe, parameters: int, device: torch.devic
     d = recipe.drafter
     size = f"drafter.num_layers {d.num_layers}" + (f", drafter.intermediate_size {d.intermediate_size}"
                                                    if d.intermediate_size else "")
+    per_rank = " per rank" if shards > 1 else ""
+    shard = "" if recipe.engine.zero_stage else ", or shard it with engine.zero_stage"
     raise ConfigError(f"{size}: the drafter has {parameters / 1e9:.2f}B parameters, and training them needs at "
-                      f"least {needed / 2**30:.1f} GiB (weights, gradients and AdamW state{' per rank' if shards > 1 else ''}); "
+                      f"least {needed / 2**30:.1f} GiB (weights, gradients and AdamW state{per_rank}); "
                       f"{torch.device(device)} holds {memory / 2**30:.1f} GiB. Lower drafter.num_layers or "
-                      "drafter.intermediate_size" + ("" if recipe.engine.zero_stage else ", or shard it with engine.zero_stage"))
+                      f"drafter.intermediate_size{shard}")
 
 
 @contextmanager

@@ -1,12 +1,13 @@
 """Stopping a run at its first non-finite loss or gradient, without a host sync per micro-batch.
 
 `observe` folds `isfinite` of each micro-batch's loss sum and, before the optimizer step, of the
-accumulated gradients' norm (or, `observe_grad_norm`, the norm the optimizer computed for its clip) into one int64 tensor on the device: the first bad (step, kind) as
-`step * 4 + kind`, a large sentinel while all is well. Nothing is read back until `check`, which
-the loop calls before it logs, validates or saves (one read; ranks agree by a MIN all-reduce),
-so no metric, checkpoint or final drafter is ever written from a diverged step. `check_weights`
-catches the one case the loss and gradients miss: an update (lr inf, say) that turns finite
-gradients into non-finite weights; it runs before every save.
+accumulated gradients' norm (or, `observe_grad_norm`, the norm the optimizer computed for its clip)
+into one int64 tensor on the device: the first bad (step, kind) as `step * 4 + kind`, a large
+sentinel while all is well. Nothing is read back until `check`, which the loop calls before it logs,
+validates or saves (one read; ranks agree by a MIN all-reduce), so no metric, checkpoint or final
+drafter is ever written from a diverged step. `check_weights` catches the one case the loss and
+gradients miss: an update (lr inf, say) that turns finite gradients into non-finite weights; it runs
+before every save.
 """
 
 from __future__ import annotations

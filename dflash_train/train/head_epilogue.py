@@ -31,8 +31,6 @@ import torch
 
 from dflash_train.compiled import call
 
-HEAD_CHOICES = ("auto", "eager", "compiled")
-
 
 def ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
              grad_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -67,24 +65,11 @@ KNOB = "objective.head compiled"
 
 
 def ce(logits, labels, weights, grad_dtype, compiled: bool):
-    if not compiled:
-        return ce_chunk(logits, labels, weights, grad_dtype)
-    return call("head ce epilogue", ce_chunk, (logits, labels, weights, grad_dtype),
-                {0: [0], 1: [0], 2: [0]}, KNOB)
+    args = (logits, labels, weights, grad_dtype)
+    return call("head ce epilogue", ce_chunk, args, {0: [0], 1: [0], 2: [0]}, KNOB) if compiled else ce_chunk(*args)
 
 
 def kl(logits, ids, p, weights, grad_dtype, compiled: bool):
-    if not compiled:
-        return kl_chunk(logits, ids, p, weights, grad_dtype)
-    return call("head kl epilogue", kl_chunk, (logits, ids, p, weights, grad_dtype),
-                {0: [0], 1: [0], 2: [0], 3: [0]}, KNOB)
-
-
-def resolve_head(choice: str, device: torch.device | str) -> str:
-    """`objective.head`: auto is compiled on a CUDA GPU, eager elsewhere (CPU keeps the eager head)."""
-    if choice == "auto":
-        return "compiled" if torch.device(device).type == "cuda" else "eager"
-    if choice not in HEAD_CHOICES:
-        raise ValueError(f"objective.head {choice!r}: choose one of {', '.join(HEAD_CHOICES)}")
-    return choice
-
+    args = (logits, ids, p, weights, grad_dtype)
+    return (call("head kl epilogue", kl_chunk, args, {0: [0], 1: [0], 2: [0], 3: [0]}, KNOB) if compiled
+            else kl_chunk(*args))

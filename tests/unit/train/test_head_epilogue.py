@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 
 from dflash_train import compiled
 from dflash_train.train import head_epilogue
+from dflash_train.train.device import resolve_head
 from dflash_train.train.loss import head_loss, reference_head_loss
 
 slow = pytest.mark.slow  # Inductor's C++ compiles: ~30 s on 2 cores
@@ -72,11 +73,11 @@ def test_compiled_head_in_bf16_matches_the_eager_bf16_head():
 
 
 def test_head_choice_resolves_by_device_and_names_the_field():
-    assert head_epilogue.resolve_head("auto", "cuda") == "compiled"
-    assert head_epilogue.resolve_head("auto", "cpu") == "eager"
-    assert head_epilogue.resolve_head("compiled", "cpu") == "compiled"
+    assert resolve_head("auto", "cuda") == "compiled"
+    assert resolve_head("auto", "cpu") == "eager"
+    assert resolve_head("compiled", "cpu") == "compiled"
     with pytest.raises(ValueError, match="objective.head 'fast'"):
-        head_epilogue.resolve_head("fast", "cpu")
+        resolve_head("fast", "cpu")
 
 
 def test_a_compile_failure_warns_once_and_runs_eager_while_other_errors_propagate(monkeypatch):

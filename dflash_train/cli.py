@@ -189,7 +189,7 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
           local_rank: int = typer.Option(0, "--local_rank", "--local-rank", hidden=True,
                                          help="Set by the deepspeed launcher.")) -> None:
     """Train a drafter from a recipe; the drafter lands in OUTPUT/final (speculators format)."""
-    from dflash_train.train.recipe import load_recipe, resolve_init_from
+    from dflash_train.train.recipe import load_recipe, resolve_auto_dtypes, resolve_init_from
 
     flags = list(overrides)
     if max_steps is not None:
@@ -198,7 +198,7 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
         flags.append(f"checkpoint.save_every={save_every}")
     resolved = load_recipe(config, flags)
     if dry_run:
-        resolved = resolve_init_from(resolved)
+        resolved = resolve_auto_dtypes(resolve_init_from(resolved))  # `# auto: ...` says what it picked, and why
         typer.echo(resolved.to_yaml(), nl=False)
         return
     from dflash_train.output_lock import output_lock
@@ -318,6 +318,11 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
     table.add_row("serve (dry run)", s["serve_command"] or "")
     table.add_row("stage seconds", " ".join(f"{k}={v}" for k, v in s["stage_seconds"].items()))
     table.add_row("machine", describe(s["machine"]))
+    dtypes = s.get("dtypes") or {}
+    if dtypes:  # one line per distinct reason: "bfloat16 / bfloat16 / bf16-mixed (auto: this CPU has ...)"
+        table.add_row("regenerate / features / training dtypes",
+                      " / ".join(str(v["value"]) for v in dtypes.values())
+                      + "".join(f"  ({why})" for why in dict.fromkeys(v["set_by"] for v in dtypes.values())))
     Console(width=160).print(table)
 
 

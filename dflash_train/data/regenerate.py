@@ -32,7 +32,7 @@ from dflash_train.errors import ConfigError, DataError, MissingDependencyError
 from dflash_train.outputs import discard_folder, ensure_folder, plan_output
 
 ENGINES = ("hf", "vllm", "auto")  # auto: vllm where it can run (here or in its venv), else hf
-DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, float32 on CPU
+DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA and bf16-capable CPUs (machine.auto_dtype)
 PROGRESS_FILE = "progress.jsonl"
 STATE_FILE = "inputs.json"
 CHUNK_CPU = 8  # --batch-size default: conversations taken together on CPU (as before)
@@ -44,7 +44,8 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
                        temperature: float = 0.0, thinking: bool | None = None, engine: str = "hf",
                        batch_size: int | None = None, seed: int = 0, dtype: str = "auto",
                        overwrite: bool = False, generators: Generators | None = None) -> dict:
-    """`dtype`: what the target generates in (auto: bfloat16 on CUDA, float32 on CPU). `generators`:
+    """`dtype`: what the target generates in (auto: bfloat16 on CUDA and on CPUs with bf16 instructions,
+    else float32; the rows are keyed by the dtype picked). `generators`:
     engines kept open across calls (a mixture's sources share one); without it the engine starts
     and stops here."""
     from dflash_train.data.prepare import cached_summary, load_prepared, read_summary, write_prepared
@@ -57,6 +58,12 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if max_new_tokens < 1 or (batch_size is not None and batch_size < 1) or temperature < 0:
         raise ConfigError("--max-new-tokens and --batch-size must be >= 1 and --temperature >= 0")
+    if dtype == "auto":  # the rows are the target's own in this dtype: keyed by it, not by `auto`
+        import torch
+
+        from dflash_train.machine import auto_dtype
+
+        dtype = auto_dtype("cuda" if torch.cuda.is_available() else "cpu")[0]
     ds = load_prepared(data)
     if "messages" not in ds.column_names:
         raise DataError(f"--data {data}: no `messages` column; regenerate needs a folder written by `dflash-train prepare`")
@@ -66,9 +73,7 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
     inputs = {"command": "regenerate", "target": target_path, "data": str(Path(data).resolve()),
               "data_fingerprint": ds._fingerprint, "max_new_tokens": max_new_tokens, "temperature": temperature,
               "thinking": thinking, "engine": engine, "batch_size": batch_size, "seed": seed,
-              "max_length": max_length}
-    if dtype != "auto":  # outputs written before the option existed keep their inputs
-        inputs["dtype"] = dtype
+              "max_length": max_length, "dtype": dtype}
     cached = cached_summary(output, inputs)
     if cached is not None:  # this command's own output, complete: reused, nothing is written
         return cached
@@ -174,8 +179,12 @@ def _run(ds, todo, done, gen, renderer, chunk, seed, max_length, progress_path) 
     from tqdm import tqdm
 
     start, tokens, rows_done, synced = time.perf_counter(), 0, 0, time.monotonic()
-    # progress is shown, never read back: a disabled bar (TQDM_DISABLE=1, no TTY) lacks n/initial
-    bar = tqdm(total=len(ds), initial=len(ds) - len(todo), desc="regenerate", unit="row")
+    # progress is shown, never read back: a disabled bar (TQDM_DISABLE=1, no TTY) lacks n/initial.
+    # Rows arrive a batch at a time (256 with vLLM), so tqdm's own ETA, from the rate of the last few
+    # rows, read "74:15:12" after the first batch; `eta` is the run's mean rate, shown once a batch is in
+    bar = tqdm(total=len(ds), initial=len(ds) - len(todo), desc="regenerate", unit="row",
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+    first = min(chunk, max(1, len(todo) // 10))  # rows before the mean rate means something
     with open(progress_path, "a", encoding="utf-8") as progress:
         def finished(i: int, msgs: list[dict], info: dict) -> None:  # a row's last turn is done: write it now
             nonlocal tokens, rows_done, synced
@@ -190,7 +199,8 @@ def _run(ds, todo, done, gen, renderer, chunk, seed, max_length, progress_path) 
             rows_done += 1
             elapsed = max(time.perf_counter() - start, 1e-9)
             bar.update(1)
-            bar.set_postfix(rows_s=f"{rows_done / elapsed:.2f}", tok_s=f"{tokens / elapsed:.1f}")
+            bar.set_postfix(rows_s=f"{rows_done / elapsed:.2f}", tok_s=f"{tokens / elapsed:.1f}",
+                            eta=eta_text(len(todo) - rows_done, rows_done, elapsed, first))
 
         for b in range(0, len(todo), chunk):
             rows = todo[b: b + chunk]
@@ -199,7 +209,18 @@ def _run(ds, todo, done, gen, renderer, chunk, seed, max_length, progress_path) 
                              on_done=lambda c, msgs, info, rows=rows: finished(rows[c], msgs, info))
             os.fsync(progress.fileno())
             synced = time.monotonic()
+            bar.refresh()  # a batch's rows arrive within tqdm's redraw interval: show where the batch ends
     bar.close()
+
+
+def eta_text(left: int, done: int, elapsed: float, first_batch: int) -> str:
+    """The time left at the mean rate so far ("3:25"), or "?" before `first_batch` rows are in: until
+    then a rate says how long one row of a batch took, not how fast the batches go."""
+    if done < first_batch or done <= 0:
+        return "?"
+    seconds = int(round(left * elapsed / done))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def regenerate_batch(convs: list[list[dict]], gen, renderer, max_length: int, seed: int = 0, on_done=None):

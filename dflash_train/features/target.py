@@ -133,12 +133,14 @@ def load_tokenizer(target: str | os.PathLike | None):
 
 
 def target_torch_dtype(name: str | None, device):
-    """The torch dtype a target computes in: `name` (float32, bfloat16), or for None / "auto" bfloat16
-    on CUDA and float32 elsewhere."""
+    """The torch dtype a target computes in: `name` (float32, bfloat16), or for None / "auto" what
+    `machine.auto_dtype` picks (bfloat16 on CUDA and on CPUs with bf16 instructions, else float32)."""
     import torch
 
     if name in (None, "auto"):
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+        from dflash_train.machine import auto_dtype
+
+        name = auto_dtype(device)[0]
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if name not in dtypes:
         raise DFlashError(f"target dtype {name!r}: choose auto, float32 or bfloat16")

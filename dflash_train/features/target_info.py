@@ -37,6 +37,12 @@ def describe_target(target: str | os.PathLike | None, num_features: int = 5) -> 
             "num_hidden_layers": layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
             "target_layer_ids": ids, "aux_hidden_state_layer_ids": target_to_aux(ids), "mask_token_id": mask,
             "vllm_serves_dflash": arch.vllm, "sglang_serves_dflash": arch.sglang, "serve": serve_line(arch)}
+    import torch
+
+    from dflash_train.machine import auto_dtype
+
+    dtype, why = auto_dtype("cuda" if torch.cuda.is_available() else "cpu")
+    info["auto_dtype"] = f"{dtype} ({why})"  # what `auto` dtypes and precision pick on this machine
     if layer_types := getattr(cfg, "layer_types", None):
         info["layer_types"] = sorted(set(layer_types))
     if note:

@@ -299,8 +299,8 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
         path = Path(data.feature_cache)
     else:
         name = f"features-{'-'.join(map(str, layer_ids))}" + (f"-top{topk}" if topk else "")
-        if compute != dtype_name(target_torch_dtype(None, device)):
-            name += f"-{compute}"  # another compute dtype than the device's default: a cache of its own
+        if compute != ("bfloat16" if device == "cuda" else "float32"):
+            name += f"-{compute}"  # not the device's plain dtype (names before `auto` read the CPU): its own cache
         path = data_cache_root(data, target_path) / name
         lean = path.with_name(f"{name}-nogreedy")
         if not greedy and not topk and not cache_complete(path):

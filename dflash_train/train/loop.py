@@ -51,7 +51,7 @@ from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.loss import BlockStats
 from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
 from dflash_train.train.prefetch import StepPrefetch
-from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, resolve_init_from
+from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, resolve_auto_dtypes, resolve_init_from
 from dflash_train.train.run_folder import RESUME_MODES, check_output, finished_summary, past_the_end, space_needed
 
 
@@ -256,6 +256,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     d = recipe.data
     sources = [*sources, recipe.target, d.prepared, *d.source_names(), d.feature_cache, recipe.drafter.init_from]
     world = init_distributed()
+    resolved = resolve_auto_dtypes(resolved, world.device)  # the dtypes that run here, recorded as such
+    recipe = resolved.recipe
     resolve_attention(recipe.objective.attention, world.device)  # refuse flex without CUDA before loading
     check_output(output, resolved, resume, sources)
     random.seed(recipe.seed)
@@ -401,6 +403,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             # what ran: attention, the LM head's epilogue, the layers' fused ops, any compiled part that fell back
             "kernels": {"attention": kernels.attention, "head": kernels.head, "layers": kernels.layers,
                         "logits_chunk": kernels.logits_chunk, "fallbacks": dict(compiled.fallbacks)},
+            # the dtypes that ran and the layer that set each (`auto: this CPU has avx512_bf16`)
+            "dtypes": resolved.dtypes(),
             "wall_time_s": round(time.time() - t_start, 2), "final": str(final), "eval": None,
         }
         write_summary(output / "summary.json", summary)

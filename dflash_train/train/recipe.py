@@ -28,9 +28,9 @@ class RegenerateConfig(_Section):
     thinking: bool | None = None
     engine: Literal["hf", "vllm", "auto"] = "hf"  # auto: vLLM where it runs (here or its venv), else hf
     batch_size: int | None = Field(None, gt=0)  # conversations per generate call; null: 8 on CPU, 16384 on CUDA
-    # the dtype the target generates in; auto: bfloat16 on CUDA, float32 on CPU. A bfloat16 target on
-    # a CPU with AVX512-BF16 generates ~1.4x faster; its greedy answers are its own (they part from
-    # float32's after the first near-tie), so pair it with features from the same dtype
+    # the dtype the target generates in; auto: bfloat16 on CUDA and on CPUs with bf16 instructions
+    # (AVX512-BF16, AMX: ~1.4x faster than float32), float32 on the others (bf16 ran 5x slower there).
+    # Greedy answers are the dtype's own (they part after the first near-tie): pair with the features'
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def cache_inputs(self) -> dict:
@@ -66,9 +66,9 @@ class DataConfig(_Section):
     # online: target forward every step; memory: computed once, kept in RAM; offline: feature cache on disk
     features: Literal["online", "memory", "offline"] = "online"
     feature_cache: str | None = None  # an existing offline cache folder (features: offline)
-    # the dtype the target computes features (and greedy labels) in; auto: bfloat16 on CUDA, float32 on
-    # CPU. bfloat16 on a CPU with AVX512-BF16/AMX is ~2x faster; its greedy tokens differ from float32's
-    # at ~2% of positions, so pair it with objective.labels: dataset on data the target regenerated
+    # the dtype the target computes features (and greedy labels) in; auto: bfloat16 on CUDA and on CPUs
+    # with bf16 instructions (~2x faster there), float32 on the others. bf16 greedy tokens differ from
+    # float32's at ~2% of positions, so pair it with objective.labels: dataset on data the target regenerated
     target_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     holdout_fraction: float = Field(0.05, ge=0, lt=1)
     # train on this fraction of the training rows (the same rows in every source's proportion; the
@@ -185,7 +185,8 @@ class EngineConfig(_Section):
     zero_stage: Literal[0, 1, 2, 3] = 0
     # bf16: DeepSpeed's bf16 (bf16 weights and activations, fp32 master weights in the optimizer);
     # bf16-mixed: fp32 weights and optimizer, the forward under torch.autocast(bf16) (matmuls and
-    # attention in bf16, norms, residuals and the loss in fp32); auto: bf16 on GPU, fp32 on CPU
+    # attention in bf16, norms, residuals and the loss in fp32); auto: bf16 on GPU, bf16-mixed on CPUs with
+    # bf16 instructions, fp32 on the others (resolved when the run starts; the resolved config says why)
     precision: Literal["auto", "fp32", "bf16", "bf16-mixed"] = "auto"
     optimizer: Literal["torch", "deepspeed"] = "torch"  # torch: AdamW as DeepSpeed's client optimizer
     num_gpus: int = Field(1, gt=0)  # documentation for the launch command; the launcher sets the world
@@ -311,6 +312,16 @@ class ResolvedRecipe:
         data = self.recipe.model_dump(mode="json")
         return {k: data[k] for k in RUN_IDENTITY}
 
+    def dtypes(self) -> dict:
+        """{field: {"value", "set_by"}} for the dtype and precision fields that `auto` may set."""
+        out = {}
+        for path in AUTO_DTYPE_FIELDS:
+            node = self.recipe
+            for key in path.split("."):
+                node = getattr(node, key)
+            out[path] = {"value": node, "set_by": self.sources.get(path, "default")}
+        return out
+
 
 # drafter fields a drafter.init_from folder decides, and how to read each from its config
 INIT_FROM_FIELDS = {
@@ -366,6 +377,35 @@ def resolve_init_from(resolved: ResolvedRecipe) -> ResolvedRecipe:
     except DFlashError as exc:
         raise ConfigError(f"drafter.init_from {folder}: {exc}") from None
     return apply_init_from(resolved, cfg)
+
+
+# the fields whose `auto` is resolved by the machine a run starts on (machine.auto_dtype)
+AUTO_DTYPE_FIELDS = ("data.regenerate.dtype", "data.target_dtype", "engine.precision")
+AUTO_PRECISION = {"CUDA": "bf16", "bfloat16": "bf16-mixed", "float32": "fp32"}
+
+
+def resolve_auto_dtypes(resolved: ResolvedRecipe, device=None) -> ResolvedRecipe:
+    """The recipe with each `auto` of AUTO_DTYPE_FIELDS replaced by what `device` (default: CUDA when
+    there is one) computes fastest in, its layer saying why ("auto: this CPU has avx512_bf16"): the run
+    folder, the caches' keys and a resume then name the dtype that ran, not `auto`."""
+    from dflash_train.machine import auto_dtype
+
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, why = auto_dtype(device)
+    data = resolved.recipe.model_dump()
+    sources = dict(resolved.sources)
+    for path in AUTO_DTYPE_FIELDS:
+        *parents, leaf = path.split(".")
+        node = data
+        for key in parents:
+            node = node[key]
+        if node[leaf] == "auto" and (path != "data.regenerate.dtype" or node["enabled"]):
+            node[leaf] = AUTO_PRECISION["CUDA" if why == "CUDA" else dtype] if leaf == "precision" else dtype
+            sources[path] = f"auto: {why}"
+    return ResolvedRecipe(TrainRecipe.model_validate(data), sources)
 
 
 def _emit(tree: dict, sources: dict[str, str], prefix: str, indent: int):

@@ -30,3 +30,38 @@ def test_machine_facts_here():
     if os.path.isfile("/proc/cpuinfo"):
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
         assert ("avx512_bf16" in flags) == ("avx512_bf16" in facts["bf16_instructions"])
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    """CUDA and CPUs with AVX512-BF16 or AMX get bfloat16; AVX2-only CPUs, and CPUs whose oneDNN is capped
+    below its bf16 instructions, get float32; each answer says why; DFLASH_AUTO_DTYPE pins the CPU's pick."""
+    import pytest
+
+    from dflash_train.errors import ConfigError
+    from dflash_train.machine import auto_dtype
+
+    monkeypatch.delenv("DFLASH_AUTO_DTYPE", raising=False)
+    assert auto_dtype("cuda:0", []) == ("bfloat16", "CUDA")
+    assert auto_dtype("cpu", ["avx512_bf16"], isa_cap="") == ("bfloat16", "this CPU has avx512_bf16")
+    assert auto_dtype("cpu", ["amx_bf16", "amx_tile"], isa_cap="AVX512_CORE_AMX")[0] == "bfloat16"
+    dtype, why = auto_dtype("cpu", [], isa_cap="")
+    assert dtype == "float32" and "no bf16 instructions" in why
+    dtype, why = auto_dtype("cpu", ["avx512_bf16"], isa_cap="avx2")
+    assert dtype == "float32" and "ONEDNN_MAX_CPU_ISA=AVX2" in why
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")  # below AVX512_CORE_BF16: bf16 is emulated
+    assert auto_dtype("cpu", ["avx512_bf16"])[0] == "float32"
+    monkeypatch.setenv("DFLASH_AUTO_DTYPE", "bfloat16")
+    assert auto_dtype("cpu", []) == ("bfloat16", "DFLASH_AUTO_DTYPE=bfloat16")
+    assert auto_dtype("cuda", [])[0] == "bfloat16"
+    monkeypatch.setenv("DFLASH_AUTO_DTYPE", "half")
+    with pytest.raises(ConfigError, match="DFLASH_AUTO_DTYPE='half'"):
+        auto_dtype("cpu", [])
+
+
+def test_auto_dtype_reads_this_cpu(monkeypatch):
+    from dflash_train.machine import auto_dtype
+
+    monkeypatch.delenv("DFLASH_AUTO_DTYPE", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    has_bf16 = bool(machine_facts()["bf16_instructions"])
+    assert auto_dtype("cpu")[0] == ("bfloat16" if has_bf16 else "float32")

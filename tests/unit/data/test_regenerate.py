@@ -218,7 +218,7 @@ def test_vllm_engine_in_its_own_venv_matches_hf_greedy(tmp_path, prepared, smoll
 
 def test_dtype_is_an_input_of_the_regenerated_rows(tmp_path, prepared, monkeypatch, one_thread):
     """--dtype bfloat16 loads the target in bfloat16 and is recorded, so rows of another dtype are never
-    reused; auto leaves the inputs as they were before the option existed (old outputs stay cached)."""
+    reused; auto records the dtype it picked on this machine, so its rows are that dtype's."""
     from dflash_train.data import hf_generate
 
     loaded = []
@@ -230,12 +230,15 @@ def test_dtype_is_an_input_of_the_regenerated_rows(tmp_path, prepared, monkeypat
 
     monkeypatch.setattr(hf_generate.HFGenerator, "__init__", spy)
     auto = regen.regenerate_dataset(None, prepared, tmp_path / "auto", max_new_tokens=NEW)
-    assert "dtype" not in auto["inputs"] and loaded == [torch.float32]
+    assert auto["inputs"]["dtype"] == "float32" and loaded == [torch.float32]  # the suite pins auto's pick
     bf16 = regen.regenerate_dataset(None, prepared, tmp_path / "bf16", max_new_tokens=NEW, dtype="bfloat16")
     assert bf16["inputs"]["dtype"] == "bfloat16" and loaded == [torch.float32, torch.bfloat16]
     assert bf16["regeneration"]["turns"] == auto["regeneration"]["turns"] == 4
     again = regen.regenerate_dataset(None, prepared, tmp_path / "bf16", max_new_tokens=NEW, dtype="bfloat16")
     assert again.get("cached") and len(loaded) == 2
+    monkeypatch.setenv("DFLASH_AUTO_DTYPE", "bfloat16")  # a CPU with bf16 instructions: auto is bf16's rows
+    assert regen.regenerate_dataset(None, prepared, tmp_path / "bf16", max_new_tokens=NEW).get("cached")
+    monkeypatch.setenv("DFLASH_AUTO_DTYPE", "float32")
     # the bf16 rows are not the float32 rows' cache: asking for float32 there regenerates
     with pytest.raises(Exception, match="--output"):
         regen.regenerate_dataset(None, prepared, tmp_path / "bf16", max_new_tokens=NEW, dtype="float32")
@@ -260,10 +263,10 @@ def test_a_pool_of_generators_starts_each_setting_once(tmp_path, prepared, smoll
     with regen.Generators() as pool:
         for name in ("a", "b"):
             regen.regenerate_dataset(None, prepared, tmp_path / name, max_new_tokens=NEW, batch_size=2, generators=pool)
-        assert loaded == ["auto", "auto"] and len(pool) == 1
+        assert loaded == ["float32", "float32"] and len(pool) == 1  # auto, as picked here
         regen.regenerate_dataset(None, prepared, tmp_path / "c", max_new_tokens=NEW, batch_size=2, dtype="bfloat16",
                                  generators=pool)
-        assert loaded == ["auto", "auto", "bfloat16"] and len(pool) == 2
+        assert loaded == ["float32", "float32", "bfloat16"] and len(pool) == 2
     assert len(pool) == 0
     rows = load_prepared(tmp_path / "alone")["messages"]
     assert load_prepared(tmp_path / "a")["messages"] == rows == load_prepared(tmp_path / "b")["messages"]
@@ -297,3 +300,14 @@ def test_vllm_cpu_kv_cache_scales_with_free_memory():
     assert cpu_kv_cache_bytes(10 * gib) == 2 * gib
     assert cpu_kv_cache_bytes(1 * gib) == 512 * 1024**2
     assert 512 * 1024**2 <= cpu_kv_cache_bytes() <= 4 * gib
+
+
+def test_the_eta_waits_for_the_first_batch_then_reads_the_mean_rate():
+    """Rows arrive a batch at a time: after the first of a 256-row batch (80 s in) there is no rate to
+    speak of ("?", not tqdm's 74 hours); once the batch is in, the mean rate gives the time left."""
+    from dflash_train.data.regenerate import eta_text
+
+    assert eta_text(717, 1, 80.0, 71) == "?"
+    assert eta_text(462, 256, 80.0, 71) == "2:24"  # 462 rows at 3.2 rows/s
+    assert eta_text(10_000, 10, 10.0, 5) == "2:46:40"
+    assert eta_text(0, 718, 200.0, 71) == "0:00"

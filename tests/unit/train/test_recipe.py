@@ -134,3 +134,44 @@ def test_a_block_size_past_the_bound_is_refused_by_name():
     assert load_recipe(None, [f"drafter.block_size={MAX_BLOCK_SIZE}"], base=base).recipe.drafter.block_size == 64
     with pytest.raises(ConfigError, match=r"drafter.block_size: Input should be less than or equal to 64"):
         load_recipe(None, ["drafter.block_size=1000000"], base=base)
+
+
+@pytest.mark.parametrize(("pick", "dtype", "precision"), [("float32", "float32", "fp32"),
+                                                          ("bfloat16", "bfloat16", "bf16-mixed")])
+def test_auto_dtypes_resolve_by_the_machine_and_say_why(monkeypatch, pick, dtype, precision):
+    """Every `auto` dtype and precision becomes the machine's pick, its layer saying why; fields the
+    recipe set stay as set; regeneration's dtype stays auto while regeneration is off (no cache key moves)."""
+    from dflash_train.train.recipe import resolve_auto_dtypes
+
+    monkeypatch.setenv("DFLASH_AUTO_DTYPE", pick)
+    base = {"data": {"source": "chitchat", "regenerate": {"enabled": True}}}
+    r = resolve_auto_dtypes(load_recipe(None, ["engine.precision=bf16"], base=base), "cpu")
+    assert r.dtypes() == {"data.regenerate.dtype": {"value": dtype, "set_by": f"auto: DFLASH_AUTO_DTYPE={pick}"},
+                          "data.target_dtype": {"value": dtype, "set_by": f"auto: DFLASH_AUTO_DTYPE={pick}"},
+                          "engine.precision": {"value": "bf16", "set_by": "--set"}}
+    assert f"target_dtype: {dtype}  # auto: DFLASH_AUTO_DTYPE={pick}" in r.to_yaml()
+    cuda = resolve_auto_dtypes(load_recipe(None, [], base={"data": {"prepared": "/rows"}}), "cuda")
+    assert (cuda.recipe.engine.precision, cuda.recipe.data.target_dtype) == ("bf16", "bfloat16")
+    assert cuda.recipe.data.regenerate.dtype == "auto"  # regeneration is off: nothing is keyed by it
+
+
+def test_the_demo_recipe_leaves_dtypes_to_the_machine(tmp_path):
+    """`dflash-train train --dry-run` on the demo recipe prints what `auto` picked and why."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "smollm2-135m-demo.yaml"
+    r = load_recipe(recipe)
+    assert [v["value"] for v in r.dtypes().values()] == ["auto", "auto", "auto"]
+    cli = Path(sys.executable).parent / "dflash-train"
+    for env, dtype, precision, why in (({"ONEDNN_MAX_CPU_ISA": "AVX2"}, "float32", "fp32", "ONEDNN_MAX_CPU_ISA=AVX2"),
+                                       ({"DFLASH_AUTO_DTYPE": "bfloat16"}, "bfloat16", "bf16-mixed",
+                                        "DFLASH_AUTO_DTYPE=bfloat16")):
+        clean = {k: v for k, v in os.environ.items() if k != "DFLASH_AUTO_DTYPE"}
+        out = subprocess.run([str(cli), "train", "--config", str(recipe), "--dry-run"], capture_output=True,
+                             text=True, env={**clean, **env}, timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert f"dtype: {dtype}  # auto: " in out.stdout and why in out.stdout
+        assert f"precision: {precision}  # auto: " in out.stdout

@@ -38,6 +38,7 @@ STATE_FILE = "inputs.json"
 CHUNK_CPU = 8  # --batch-size default: conversations taken together on CPU (as before)
 CHUNK_CUDA = 16384  # on CUDA: enough prompts per turn for full memory-sized groups and few shape changes
 SYNC_SECONDS = 1.0
+BURST_GAP = 0.5  # seconds between two finished rows that end a burst of rows (the progress bar's ETA)
 
 
 def regenerate_dataset(target: str | None, data: str | Path, output: str | Path, max_new_tokens: int = 256,
@@ -179,15 +180,25 @@ def _run(ds, todo, done, gen, renderer, chunk, seed, max_length, progress_path) 
     from tqdm import tqdm
 
     start, tokens, rows_done, synced = time.perf_counter(), 0, 0, time.monotonic()
+    last, eta = start, "?"  # when the latest row arrived; the time left as of the latest burst's end
+    first = min(chunk, max(1, len(todo) // 10))  # rows before a mean rate means something
     # progress is shown, never read back: a disabled bar (TQDM_DISABLE=1, no TTY) lacks n/initial.
-    # Rows arrive a batch at a time (256 with vLLM), so tqdm's own ETA, from the rate of the last few
-    # rows, read "74:15:12" after the first batch; `eta` is the run's mean rate, shown once a batch is in
+    # Rows arrive in bursts (a vLLM batch of 256, an HF group), so tqdm's own ETA, from the rate of the
+    # last few rows, read "74:15:12" after the first batch; `eta` is the mean rate as of a burst's end
     bar = tqdm(total=len(ds), initial=len(ds) - len(todo), desc="regenerate", unit="row",
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
-    first = min(chunk, max(1, len(todo) // 10))  # rows before the mean rate means something
+
+    def burst_ended() -> None:
+        nonlocal eta
+        eta = eta_text(len(todo) - rows_done, rows_done, last - start, first)
+
+    def show() -> None:
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        bar.set_postfix(rows_s=f"{rows_done / elapsed:.2f}", tok_s=f"{tokens / elapsed:.1f}", eta=eta)
+
     with open(progress_path, "a", encoding="utf-8") as progress:
         def finished(i: int, msgs: list[dict], info: dict) -> None:  # a row's last turn is done: write it now
-            nonlocal tokens, rows_done, synced
+            nonlocal tokens, rows_done, synced, last
             record = {"index": i, "messages": msgs, **info}
             done[i] = record
             progress.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -195,12 +206,14 @@ def _run(ds, todo, done, gen, renderer, chunk, seed, max_length, progress_path) 
             if time.monotonic() - synced >= SYNC_SECONDS:
                 os.fsync(progress.fileno())
                 synced = time.monotonic()
+            now = time.perf_counter()
+            if now - last > BURST_GAP:  # the rows before this one ended a burst
+                burst_ended()
             tokens += info["new_tokens"]
             rows_done += 1
-            elapsed = max(time.perf_counter() - start, 1e-9)
+            last = now
             bar.update(1)
-            bar.set_postfix(rows_s=f"{rows_done / elapsed:.2f}", tok_s=f"{tokens / elapsed:.1f}",
-                            eta=eta_text(len(todo) - rows_done, rows_done, elapsed, first))
+            show()
 
         for b in range(0, len(todo), chunk):
             rows = todo[b: b + chunk]
@@ -209,7 +222,8 @@ def _run(ds, todo, done, gen, renderer, chunk, seed, max_length, progress_path) 
                              on_done=lambda c, msgs, info, rows=rows: finished(rows[c], msgs, info))
             os.fsync(progress.fileno())
             synced = time.monotonic()
-            bar.refresh()  # a batch's rows arrive within tqdm's redraw interval: show where the batch ends
+            burst_ended()
+            show()
     bar.close()
 
 

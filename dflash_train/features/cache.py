@@ -435,6 +435,8 @@ class FeatureCache:
                         target_topk_logp=top[1])
 
     def lengths(self) -> list[int]:
+        """Every row's token count; opening each shard checks it against the manifest and the prepared
+        rows, so a truncated or stale shard is refused here, before a run writes anything."""
         out = []
         for k in range(len(self.manifest["shards"])):
             offsets = self._shard(k)[1]

@@ -312,5 +312,7 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
                 if not cache_complete(path):
                     write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk,
                                         target_dtype=compute, greedy=path != lean)
-    return FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk,
-                        target_dtype=compute if data.target_dtype != "auto" else None, greedy=greedy)
+    cache = FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk,
+                         target_dtype=compute if data.target_dtype != "auto" else None, greedy=greedy)
+    cache.lengths()  # every shard opened and checked now: a damaged one is refused before the run folder is written
+    return cache

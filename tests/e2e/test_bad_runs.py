@@ -284,3 +284,21 @@ def test_a_stale_lock_file_from_a_killed_command_is_taken_over(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert not stale.exists() and (out / "prepare_summary.json").is_file()
     shutil.rmtree(out)
+
+
+# ---- every input checked before the first write ----------------------------------------------
+
+def test_a_truncated_feature_shard_is_refused_before_the_run_folder_exists(tmp_path, recipe):
+    """data.feature_cache with its first shard cut short: one `error:` line naming the shard, and no
+    run folder (no resolved_config.yaml, holdout_rows.json or tensorboard/ left behind)."""
+    rows = recipe.parent / "rows"
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    done = cli("dflash-train", "features", "--data", rows, "--output", cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shard = sorted(cache.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    before = tree(tmp_path)
+    refused(cli("dflash-train", "train", "--config", recipe, "--output", run, "--max-steps", "1",
+                "--set", "data.features=offline", "--set", f"data.feature_cache={cache}"),
+            f"{shard}: shard is truncated or corrupt")
+    assert tree(tmp_path) == before and not run.exists()

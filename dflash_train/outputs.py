@@ -345,9 +345,31 @@ def install_folder(tmp: Path, out: Path, *, replace_ok: bool) -> None:
         raise OutputError(f"{out}: appeared while the output was being written; nothing was replaced. "
                           "Move it away or choose a new path, and retry")
     old = out.with_name(f".old-{out.name}-{os.getpid()}")
-    os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        with signals_held():  # a Ctrl-C between the two renames would leave neither folder at `out`
+            os.rename(out, old)
+            os.rename(tmp, out)
+    finally:  # also when a signal held meanwhile is raised as the block ends
+        if not old.exists() or out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def signals_held():
+    """Hold SIGINT, SIGTERM and SIGHUP for a step that must not be cut in two; one that arrived meanwhile
+    is handled (errors.Stopped) as the block ends. Off the main thread, where Python runs no handler, a no-op."""
+    import signal
+    import threading
+
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 @contextmanager

@@ -80,8 +80,20 @@ def prepare_dataset(target: str | None, source: str | Sequence[str], output: str
         row_labels += [labels[i]] * len(convs) if labels else []
     if max_turns is not None:
         conversations = [first_turns(c, max_turns) for c in conversations]
-    return write_prepared(conversations, tokenizer, output, inputs, max_length=max_length, overwrite=overwrite,
-                          sources=sources, labels=row_labels or None)
+    summary = write_prepared(conversations, tokenizer, output, inputs, max_length=max_length, overwrite=overwrite,
+                             sources=sources, labels=row_labels or None)
+    warn_truncated(summary, max_length)
+    return summary
+
+
+def warn_truncated(summary: dict, max_length: int) -> None:
+    """Rows cut at --max-length lose their ends (answers included): said once on stderr, with how much."""
+    import sys
+
+    if summary.get("rows_truncated"):
+        print(f"warning: --max-length {max_length} cut {summary['rows_truncated']} of {summary['rows']} rows "
+              f"({summary['tokens_truncated']:,} tokens in all, up to {summary['max_tokens_truncated']:,} from one "
+              "row); what they lost is not trained on. Raise --max-length to keep more of them", file=sys.stderr)
 
 
 def default_label(source: str) -> str:
@@ -129,13 +141,14 @@ def write_prepared(conversations: Iterable[list[dict]], tokenizer, output: str |
     if labels is not None:
         rows["source"] = []
     dropped: Counter[str] = Counter()
-    truncated = 0
+    truncated, cut = 0, []
     for n, messages in enumerate(tqdm(conversations, desc="render", unit="conv", mininterval=1.0)):
         row = renderer.render(messages)
         if isinstance(row, str):
             dropped[row] += 1
             continue
         truncated += row.truncated
+        cut += [row.tokens_cut] if row.tokens_cut else []
         rows["input_ids"].append(row.input_ids)
         rows["loss_mask"].append(row.loss_mask)
         rows["messages"].append(json.dumps(messages, ensure_ascii=False))
@@ -153,6 +166,7 @@ def write_prepared(conversations: Iterable[list[dict]], tokenizer, output: str |
         "rows_in": len(conversations),
         "rows_dropped": dict(dropped),
         "rows_truncated": truncated,
+        "tokens_truncated": sum(cut), "max_tokens_truncated": max(cut, default=0),
         "tokens": sum(len(r) for r in rows["input_ids"]),
         "supervised_tokens": int(counts.sum()),
         "target": inputs.get("target"),

@@ -40,6 +40,7 @@ class RenderedRow:
     input_ids: list[int]
     loss_mask: list[int]
     truncated: bool
+    tokens_cut: int = 0  # tokens past max_length that the row lost
 
 
 def check_chat_template(tokenizer, where: str = "--target") -> None:
@@ -147,11 +148,11 @@ class ChatRenderer:
                     k += 1
                 if k < len(spans) and b > spans[k][0] and a < spans[k][1] and b > a:
                     mask[t] = 1
-        truncated = len(ids) > self.max_length
+        cut = max(0, len(ids) - self.max_length)
         ids, mask = ids[: self.max_length], mask[: self.max_length]
         if not any(mask):
             return DROP_NO_SUPERVISED
-        return RenderedRow(ids, mask, truncated)
+        return RenderedRow(ids, mask, cut > 0, cut)
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -451,3 +451,35 @@ def test_a_shared_cache_entry_waits_for_its_builder(tmp_path, capsys):
     holder.wait()
     assert waited > 1.0 and not lock_path(entry).exists()
     assert f"the data cache {entry}: waiting for train, pid {holder.pid}" in capsys.readouterr().err
+
+
+def test_a_signal_between_the_two_renames_of_a_replace_waits_for_the_second(tmp_path, monkeypatch):
+    """Replacing an output is two renames (old aside, new in); a Ctrl-C after the first is held until
+    the second is done, then raised as usual: `out` is never missing, and the old folder is gone."""
+    import signal
+
+    from dflash_train import outputs
+    from dflash_train.errors import Stopped, _stop
+
+    out, tmp = tmp_path / "out", tmp_path / ".tmp-out"
+    out.mkdir()
+    (out / "a.txt").write_text("old")
+    tmp.mkdir()
+    (tmp / "a.txt").write_text("new")
+    real, seen = os.rename, []
+
+    def rename(a, b):
+        real(a, b)
+        seen.append(Path(b).name)
+        if len(seen) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # held: no handler runs before the second rename
+
+    monkeypatch.setattr(outputs.os, "rename", rename)
+    previous = signal.signal(signal.SIGINT, _stop)
+    try:
+        with pytest.raises(Stopped):
+            outputs.install_folder(tmp, out, replace_ok=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen[1] == "out" and (out / "a.txt").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old folder removed all the same

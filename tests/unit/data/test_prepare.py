@@ -135,3 +135,24 @@ def test_combine_concatenates_labelled_parts_and_sums_token_counts(tmp_path, smo
     with pytest.raises(DataError, match=r"--data .*plain: rows carry no `source` label"):
         combine_prepared([parts[0], tmp_path / "plain"], tmp_path / "bad", {"command": "combine"})
     assert not (tmp_path / "bad").exists()
+
+
+def test_rows_cut_at_max_length_are_counted_and_said_once(tmp_path, smollm2, capfd):
+    """A 2-million-character answer under --max-length 128 keeps its row cut to 128 tokens, and one
+    `warning:` line says how many rows were cut and by how much (the counts also in the summary)."""
+    huge = "word " * 400_000
+    records = [{"prompt": "long answer please", "response": huge}, *CONVS[:2]]
+    src = write_jsonl(tmp_path / "huge.jsonl", records)
+    summary = prepare_dataset(None, src, tmp_path / "out", max_length=128)
+    text = smollm2[1].apply_chat_template([{"role": "user", "content": "long answer please"},
+                                           {"role": "assistant", "content": huge}], tokenize=False)
+    full = len(smollm2[1](text, add_special_tokens=False)["input_ids"])
+    assert summary["rows_truncated"] == 1 and summary["max_tokens_truncated"] == summary["tokens_truncated"]
+    assert abs(summary["tokens_truncated"] - (full - 128)) <= 2  # the template's closing newline at most
+    assert max(len(r) for r in load_prepared(tmp_path / "out")["input_ids"]) == 128
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: --max-length 128 cut 1 of 3 rows ({summary['tokens_truncated']:,} tokens in all, "
+                        f"up to {summary['tokens_truncated']:,} from one row); what they lost is not trained on. "
+                        "Raise --max-length to keep more of them"]
+    assert prepare_dataset(None, src, tmp_path / "out", max_length=128)["rows_truncated"] == 1  # cached: said once
+    assert not [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]

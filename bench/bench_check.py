@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from convert.stream import folder_refs
-from convert.validate import all_finite, check_drafter
 from dflash_train.model.checkpoint import save_drafter
+from dflash_train.model.checks import all_finite, check_drafter
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.modeling_dflash import DFlashDraftModel
+from dflash_train.model.stream import folder_refs
 
 
 def write(folder: Path, layers: int) -> DFlashConfig:

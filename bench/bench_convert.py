@@ -58,8 +58,8 @@ def write_source(folder: Path, layers: int, shard_bytes: int) -> tuple[int, int]
     import torch
 
     from convert.convert import write_checkpoint
-    from convert.stream import OutTensor
     from dflash_train.model.checkpoint import expected_shapes
+    from dflash_train.model.stream import OutTensor
 
     cfg = qwen3_8b_drafter_config(layers)
     gen = torch.Generator().manual_seed(0)

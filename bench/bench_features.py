@@ -91,7 +91,7 @@ def compare_target_dtypes(data: Path, work: Path, batch_size: int, rows_per_shar
     """Best-of-`repeats` tokens/s of the cache writer with a float32 and a bfloat16 target (interleaved),
     the relative error of the bf16 features against fp32's, and greedy-token agreement at supervised positions."""
     from dflash_train.features.cache import FeatureCache, write_feature_cache
-    from dflash_train.features.target import load_target
+    from dflash_train.target import load_target
 
     models = {name: load_target(None, dtype=dtype)[0] for name, dtype in
               (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
@@ -138,7 +138,7 @@ def main() -> None:
 
     print(f"machine: {describe(machine_facts())}")
     from dflash_train.data.prepare import prepare_dataset
-    from dflash_train.features.target import load_target
+    from dflash_train.target import load_target
 
     work = Path(tempfile.mkdtemp(prefix="bench-features-"))
     try:

@@ -48,7 +48,7 @@ def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int
     from dflash_train.data.prepare import load_prepared, read_summary
     from dflash_train.data.regenerate import regenerate_batch, stop_ids
     from dflash_train.data.render import ChatRenderer
-    from dflash_train.features.target import load_tokenizer, resolve_target
+    from dflash_train.target import load_tokenizer, resolve_target
 
     max_length = int(read_summary(data)["inputs"]["max_length"])
     convs = [json.loads(m) for m in load_prepared(data)["messages"][:rows]]
@@ -90,7 +90,7 @@ def _child(spec: dict) -> dict:
         r["row_sha"] = [_sha(m) for m in r.pop("messages")]
         return r
     from dflash_train.features.cache import batch_tokens_that_fit, bytes_per_token
-    from dflash_train.features.target import load_target
+    from dflash_train.target import load_target
 
     cuda = device == "cuda"
     model, _ = load_target(None, dtype=torch.bfloat16 if cuda else torch.float32, device=device)

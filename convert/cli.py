@@ -107,7 +107,8 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:
     """Check a folder against every loader rule of vLLM 0.33 and SGLang; exit 1 on any failure."""
-    from convert.validate import FAIL, PASS, WARN, validate_folder
+    from convert.validate import validate_folder
+    from dflash_train.model.checks import FAIL, PASS, WARN
 
     use_target = target is not None
     report = validate_folder(folder, None if target == "default" else target, use_target=use_target)

@@ -1,6 +1,6 @@
 """Converting drafter folders between the registered formats, streaming one tensor at a time.
 
-A source is any folder `convert.formats` detects (z-lab / SpecForge, speculators, our own
+A source is any folder `dflash_train.model.formats` detects (z-lab / SpecForge, speculators, our own
 saves) or a training run folder (its `final/` or newest complete `checkpoints/step-*/`).
 The body tensors are copied byte for byte; only the config is rewritten, so A -> B -> A is
 bit-exact. Frozen copies other writers add (embed_tokens, verifier_*, a full-vocab lm_head)
@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.errors import CheckpointError, ConfigError
+from dflash_train.model import formats
+from dflash_train.model.checks import check_drafter, find_local_target, refusal
 from dflash_train.model.config import DFlashConfig
+from dflash_train.model.locate import find_drafter_folder
+from dflash_train.model.stream import CODES, DTYPES, OutTensor, TensorRef, folder_refs, write_streaming
+from dflash_train.model.weights import DEFAULT_MAX_SHARD_BYTES, write_json
 from dflash_train.outputs import folder_output, plan_output
-
-from . import formats
-from .run_folder import find_drafter_folder
-from .stream import CODES, DTYPES, OutTensor, TensorRef, folder_refs, write_streaming
-from .validate import check_drafter, find_local_target, refusal
-from .weights import DEFAULT_MAX_SHARD_BYTES, write_json
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 # names other writers store beside the drafter; accepted on read and never written

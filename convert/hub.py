@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.errors import CheckpointError, ConfigError, DFlashError
-
-from . import formats
-from .weights import INDEX_FILE, weight_files
+from dflash_train.model import formats
+from dflash_train.model.weights import INDEX_FILE, weight_files
 
 CARD_FILE = "README.md"
 SUMMARY_FILE = "summary.json"

@@ -8,21 +8,10 @@ field. `convert.validate` runs them beside the tensor and target checks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from .formats import speculators, zlab
-
-
-@dataclass(frozen=True)
-class Fail:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Warn:
-    reason: str
-
+from dflash_train.model.checks import Fail, Warn
+from dflash_train.model.formats import speculators, zlab
 
 Outcome = Fail | Warn | None
 Rule = Callable[[dict[str, Any]], Outcome]

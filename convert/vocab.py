@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from dflash_train.errors import CheckpointError, ConfigError
+from dflash_train.model.stream import DTYPES, OutTensor, folder_refs
+from dflash_train.model.weights import DEFAULT_MAX_SHARD_BYTES
 from dflash_train.outputs import plan_output
 
 from .convert import ConvertResult, convert_checkpoint, read_source
-from .stream import DTYPES, OutTensor, folder_refs
-from .weights import DEFAULT_MAX_SHARD_BYTES
 
 _HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
 
@@ -31,7 +31,7 @@ class TargetHead:
 
 
 def _target_folder(target: str | None) -> Path:
-    from dflash_train.features.target import resolve_target
+    from dflash_train.target import resolve_target
 
     path = Path(resolve_target(target))
     if path.is_dir():

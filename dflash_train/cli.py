@@ -189,7 +189,8 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
           local_rank: int = typer.Option(0, "--local_rank", "--local-rank", hidden=True,
                                          help="Set by the deepspeed launcher.")) -> None:
     """Train a drafter from a recipe; the drafter lands in OUTPUT/final (speculators format)."""
-    from dflash_train.train.recipe import load_recipe, resolve_auto_dtypes, resolve_init_from
+    from dflash_train.train.auto_dtypes import resolve_auto_dtypes
+    from dflash_train.train.recipe import load_recipe, resolve_init_from
 
     flags = list(overrides)
     if max_steps is not None:

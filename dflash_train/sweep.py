@@ -166,7 +166,7 @@ def markdown_table(sweep: dict) -> str:
 
 
 def write_outputs(out: Path, sweep: dict) -> None:
-    from convert.weights import write_json
+    from dflash_train.model.weights import write_json
 
     write_json(out / "sweep.json", sweep)
     tmp = out / ".sweep.md.tmp"

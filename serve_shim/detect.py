@@ -13,13 +13,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from convert.formats import detect_format, read_config_json
-from convert.rules import RULES, Fail
-from convert.run_folder import newest_run_checkpoint
-from convert.validate import check_drafter, refusal
-from convert.weights import weight_files
+from convert.rules import RULES
 from dflash_train.errors import CheckpointError, DFlashError
+from dflash_train.model.checks import Fail, check_drafter, refusal
 from dflash_train.model.config import DFlashConfig
+from dflash_train.model.formats import detect_format, read_config_json
+from dflash_train.model.locate import newest_run_checkpoint
+from dflash_train.model.weights import weight_files
 
 # loader rules the launch itself settles: the verifier is --target or the drafter's, judged with its own advice
 SERVE_DECIDES = ("spec_verifier",)
@@ -36,7 +36,7 @@ class Drafter(BaseModel):
 
     location: str  # a local folder (absolute) or a hub id, as the engine should be given it
     is_hub_id: bool
-    format: str  # a key of convert.formats.FORMATS
+    format: str  # a key of dflash_train.model.formats.FORMATS
     config: DFlashConfig
     found: str  # how it was found, for messages and --dry-run
 

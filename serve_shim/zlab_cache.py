@@ -2,7 +2,7 @@
 
 The conversion is convert's own (`convert.convert.convert_checkpoint(..., "zlab")`, which drops
 tensors SGLang does not know). If that module is absent, a minimal conversion writes the z-lab
-config.json with `convert.formats.zlab.to_config_dict` and hardlinks (else copies) the weights.
+config.json with `dflash_train.model.formats.zlab.to_config_dict` and hardlinks (else copies) the weights.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from convert.formats import zlab
-from convert.weights import INDEX_FILE, weight_files, write_json
+from dflash_train.model.formats import zlab
+from dflash_train.model.weights import INDEX_FILE, weight_files, write_json
 from dflash_train.outputs import folder_output
 
 from .detect import Drafter

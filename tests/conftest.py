@@ -14,7 +14,7 @@ os.environ["DFLASH_AUTO_DTYPE"] = "float32"
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from dflash_train.features.target import default_target_path
+    from dflash_train.target import default_target_path
 
     return default_target_path()
 
@@ -22,7 +22,7 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
     """(model, tokenizer) of the real SmolLM2-135M-Instruct target, fp32, frozen."""
-    from dflash_train.features.target import load_target
+    from dflash_train.target import load_target
 
     return load_target(str(smollm2_path), dtype=torch.float32)
 
@@ -87,8 +87,8 @@ def make_tiny_drafter(tmp_path, tiny_config):
     """
     import json
 
-    from convert.formats import zlab
     from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.model.formats import zlab
     from dflash_train.model.modeling_dflash import DFlashDraftModel
 
     def make(path, fmt="speculators", verifier="org/tiny-target", block_size=8):

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["dflash_train", "convert", "serve_shim", "convert.formats"])
+@pytest.mark.parametrize("name", ["dflash_train", "convert", "serve_shim", "dflash_train.model.formats"])
 def test_import_names_resolve_to_this_project(name):
     # `convert` is a common name: make sure no other installed package shadows ours
     module = importlib.import_module(name)

@@ -12,9 +12,6 @@ ORDER = ["data", "features", "model", "train", "eval"]
 MAX_LINES = 450
 # the one modeling file holds the whole drafter top to bottom (style.md §3), so it may run longer
 MAX_LINES_MODELING = 550
-# target loading is the root of the pipeline: the data stage renders with the target's tokenizer
-# and regenerates with the target, so it may use this one features module
-SHARED_ROOTS = ("dflash_train.features.target",)
 
 
 def _imports(path: Path) -> set[str]:
@@ -23,7 +20,7 @@ def _imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import mod` is pkg.mod
     return names
 
 
@@ -44,18 +41,23 @@ def test_import_direction(path):
     if rel[0] == "dflash_train" and len(rel) > 2 and rel[1] in ORDER:
         stage = ORDER.index(rel[1])
         later = {f"dflash_train.{s}" for s in ORDER[stage + 1:]}
-        bad = [i for i in imports if any(i == s or i.startswith(s + ".") for s in later) and i not in SHARED_ROOTS]
+        bad = [i for i in imports if any(i == s or i.startswith(s + ".") for s in later)]
         assert not bad, f"{path.name} imports later stages {bad}"
-        assert not [i for i in imports if i.startswith("serve_shim")]
+        # the converters come after every stage: checkpoint formats and tensor I/O live in the model
+        assert not [i for i in imports if i.startswith(("serve_shim", "convert"))], f"{path.name} imports {imports}"
     if rel[0] == "convert":
         bad = [i for i in imports if i.startswith("dflash_train.") and not i.startswith((
             "dflash_train.model.config", "dflash_train.errors", "dflash_train.features", "dflash_train.data.vocab",
-            "dflash_train.model.checkpoint", "dflash_train.model.modeling_dflash", "dflash_train.outputs",
+            "dflash_train.model.checkpoint", "dflash_train.model.modeling_dflash", "dflash_train.model.formats",
+            "dflash_train.model.weights", "dflash_train.model.stream", "dflash_train.model.checks",
+            "dflash_train.model.locate", "dflash_train.target", "dflash_train.architectures", "dflash_train.outputs",
             "dflash_train.output_lock"))]
         assert not bad, f"{path.name}: convert needs only the model config, checkpoints and formats, got {bad}"
     if rel[0] == "serve_shim":
         bad = [i for i in imports if i.startswith("dflash_train.")
-               and not i.startswith(("dflash_train.errors", "dflash_train.model.config", "dflash_train.outputs"))]
+               and not i.startswith(("dflash_train.errors", "dflash_train.model.config", "dflash_train.outputs",
+                                     "dflash_train.model.checks", "dflash_train.model.formats",
+                                     "dflash_train.model.weights", "dflash_train.model.locate"))]
         assert not bad, f"{path.name}: serve_shim needs only convert's detection, got {bad}"
 
 
@@ -64,9 +66,50 @@ def test_shared_modules_import_no_stage(name):
     """errors and the output policy are used by every stage, convert and serve_shim: they import none."""
     imports = _imports(ROOT / "dflash_train" / f"{name}.py")
     assert not [i for i in imports if i.startswith(("dflash_train.", "convert", "serve_shim"))
-                and i != "dflash_train.errors"]
+                and not i.startswith("dflash_train.errors")]
 
 
 def test_core_modules_never_import_typer():
     offenders = [p.name for p in SOURCES if p.name != "cli.py" and "typer" in _imports(p)]
     assert not offenders
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolved_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports (relative imports resolved, `from pkg import mod` as pkg.mod)."""
+    package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([node.module] if node.module else []))
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    return {m for m in found if m in modules}
+
+
+def test_no_two_modules_import_each_other():
+    """Each shared piece has one home below its users (style.md §1): no module imports one that imports
+    it back (a package's __init__ and its own modules excepted)."""
+    modules = {_module(p): p for p in SOURCES}
+    graph = {m: _resolved_imports(p, set(modules)) - {m} for m, p in modules.items()}
+    pairs = sorted((a, b) for a in graph for b in graph[a] if a < b and a in graph[b]
+                   and not (b.startswith(a + ".") and modules[a].name == "__init__.py"))
+    assert not pairs
+
+
+def test_data_flows_one_way_through_the_stage_folders():
+    """No stage folder imports a later one, not even from one module (target loading lies below them all)."""
+    modules = {_module(p): p for p in SOURCES}
+    stage = {m: m.split(".")[1] for m in modules if m.count(".") >= 2 and m.split(".")[1] in ORDER}
+    for name, path in modules.items():
+        if name in stage:
+            later = ORDER[ORDER.index(stage[name]) + 1:]
+            assert not [m for m in _resolved_imports(path, set(modules)) if stage.get(m) in later], name

@@ -1,4 +1,4 @@
-"""Tiny random-weight targets, one per architecture in the registry (dflash_train/features/architectures.py).
+"""Tiny random-weight targets, one per architecture in the registry (dflash_train/architectures.py).
 
 Each is built from a config here (no download) with a real tokenizer and chat template (the Qwen asset for
 Qwen-family targets, with Qwen's 151,936-row vocabulary; SmolLM2's, 49,152 rows, for the others): 4 decoder

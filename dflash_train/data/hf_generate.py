@@ -163,7 +163,7 @@ class HFGenerator:
                  dtype: str = "auto", max_prompt_length: int | None = None):
         import torch
 
-        from dflash_train.features.target import load_target, target_torch_dtype
+        from dflash_train.target import load_target, target_torch_dtype
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = target_torch_dtype(dtype, device)  # auto: bfloat16 on CUDA, float32 on CPU

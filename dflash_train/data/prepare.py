@@ -30,7 +30,7 @@ def warn_past_context(max_length: int, target_path: str) -> None:
     saw (its features there mean nothing). Said once on stderr, naming the target's context."""
     import sys
 
-    from dflash_train.features.target import load_target_config
+    from dflash_train.target import load_target_config
 
     context = getattr(load_target_config(target_path).get_text_config(), "max_position_embeddings", None)
     if isinstance(context, int) and max_length > context:
@@ -46,7 +46,7 @@ def prepare_dataset(target: str | None, source: str | Sequence[str], output: str
     """Prepare one source, or several mixed (`max_samples` then applies to each; every row carries
     its source's label in a `source` column). `label` labels a single source's rows."""
     from dflash_train.data.sources import load_conversations
-    from dflash_train.features.target import check_architecture, load_tokenizer, resolve_target
+    from dflash_train.target import check_architecture, load_tokenizer, resolve_target
 
     many = not isinstance(source, (str, Path))
     names = [str(s) for s in source] if many else [str(source)]

@@ -15,21 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_train.eval.spec_decode import Generation, Step
+from dflash_train.eval.results import PromptResult, Step
 from dflash_train.outputs import STAMP_KEY, png_software, stamp
-
-
-@dataclass
-class PromptResult:
-    index: int
-    prompt_tokens: int
-    spec: Generation
-    plain: Generation | None
-    text: str = ""
-    source: str | None = None  # the prompt's source label, if its data names one
 
 
 def step_stats(steps: list[Step], block_size: int) -> dict:

@@ -35,7 +35,7 @@ class EvalConfig(BaseModel):
 
 def resolve_drafter_dir(path: str | Path) -> Path:
     """A drafter folder, or a trainer output folder: its `final/`, else its newest `checkpoints/step-*`."""
-    from convert.run_folder import find_drafter_folder
+    from dflash_train.model.locate import find_drafter_folder
 
     path = Path(path)
     if not path.exists():
@@ -84,8 +84,8 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     from dflash_train.eval.prompts import load_labelled_prompts
     from dflash_train.eval.report import plot_report, write_report_json
     from dflash_train.eval.spec_decode import evaluate
-    from dflash_train.features.target import load_target, load_target_config, load_tokenizer, resolve_target
     from dflash_train.model.checkpoint import DTYPES, load_drafter, read_drafter_config
+    from dflash_train.target import load_target, load_target_config, load_tokenizer, resolve_target
 
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}")
@@ -125,7 +125,7 @@ def evaluate_run(run_dir: str | Path, target: str | None = None, max_prompts: in
     RUN/eval.json, RUN/eval.png and the headline numbers into RUN/summary.json under `eval`."""
     import json
 
-    from convert.weights import write_json
+    from dflash_train.model.weights import write_json
 
     run = Path(run_dir)
     report = run_eval(EvalConfig(draft=str(run), target=target, prompts=str(run / "holdout_rows.json"),

@@ -22,27 +22,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from dflash_train.errors import ConfigError
+from dflash_train.eval.results import Generation, PromptResult, Step
 from dflash_train.features.extract import capture_layers
-
-
-@dataclass
-class Step:
-    committed: int  # tokens committed by this target forward (after truncation at EOS / limit)
-    accepted: int  # leading draft slots accepted and kept (<= committed)
-    position: int | None = None  # absolute position p of the block's first token (the last committed one)
-
-
-@dataclass
-class Generation:
-    tokens: list[int]  # new tokens, prompt excluded
-    seconds: float
-    steps: list[Step] = field(default_factory=list)  # empty for plain decoding
-
 
 # ---- sampling helpers ------------------------------------------------------------------------
 
@@ -271,7 +256,7 @@ def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperat
               measure_speedup, progress, teacher_forced, sources) -> dict:
     from tqdm import tqdm
 
-    from dflash_train.eval.report import PromptResult, build_report
+    from dflash_train.eval.report import build_report
 
     eos = eos_token_ids(target_model, tokenizer)
     greedy = temperature <= 0

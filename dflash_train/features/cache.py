@@ -140,7 +140,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     from dflash_train.features.extract import num_target_layers
     from dflash_train.features.layer_ids import check_target_layer_ids, default_target_layer_ids
     from dflash_train.features.online import pad_right, target_forward
-    from dflash_train.features.target import (
+    from dflash_train.target import (
         DEFAULT_TARGET_NAME,
         dtype_name,
         load_target,
@@ -321,7 +321,7 @@ class FeatureCache:
             raise DataError(f"{self.path}: the feature cache is incomplete ({len(m['shards'])} shards written); "
                             "rerun `dflash-train features` with the same flags to finish it")
         if target is not None:
-            from dflash_train.features.target import resolve_target
+            from dflash_train.target import resolve_target
 
             rev = target_revision(resolve_target(target))
             if rev != m["target_revision"]:
@@ -435,8 +435,7 @@ class FeatureCache:
                         target_topk_logp=top[1])
 
     def lengths(self) -> list[int]:
-        """Every row's token count; opening each shard checks it against the manifest and the prepared
-        rows, so a truncated or stale shard is refused here, before a run writes anything."""
+        """Every row's token count; opening each shard checks it (a damaged one is refused here)."""
         out = []
         for k in range(len(self.manifest["shards"])):
             offsets = self._shard(k)[1]

@@ -10,10 +10,10 @@ from dflash_train.errors import ConfigError
 def describe_target(target: str | os.PathLike | None, num_features: int = 5) -> dict:
     """Path, architecture, layer count, default layer ids (fewer, with a note, when the target is too
     small for `num_features` distinct layers), a spare mask token and the engines that serve it."""
-    from dflash_train.features.architectures import architecture, serve_line
+    from dflash_train.architectures import architecture, serve_line
     from dflash_train.features.layer_ids import default_target_layer_ids, max_default_features, target_to_aux
     from dflash_train.features.mask_token import default_mask_token_id
-    from dflash_train.features.target import load_target_config, load_tokenizer, resolve_target
+    from dflash_train.target import load_target_config, load_tokenizer, resolve_target
 
     path = resolve_target(target)
     config = load_target_config(path)

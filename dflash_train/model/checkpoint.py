@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from convert import formats
-from convert.formats import speculators
-from convert.validate import all_finite, check_drafter
-from convert.weights import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_json, write_tensors
 from dflash_train.errors import CheckpointError
+from dflash_train.model import formats
+from dflash_train.model.checks import all_finite, check_drafter
 from dflash_train.model.config import DFlashConfig
+from dflash_train.model.formats import speculators
 from dflash_train.model.modeling_dflash import DFlashDraftModel, expected_shapes
+from dflash_train.model.weights import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_json, write_tensors
 from dflash_train.outputs import folder_output
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -1,6 +1,6 @@
 """The drafter's typed config. Field names are the speculators names (formats.md §3).
 
-z-lab names (`target_layer_ids`, `dflash_config`) appear only in convert/formats/zlab.py;
+z-lab names (`target_layer_ids`, `dflash_config`) appear only in dflash_train/model/formats/zlab.py;
 here the z-lab ids are a derived property (aux - 1).
 """
 

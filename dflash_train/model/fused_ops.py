@@ -21,10 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.compiled import call
-from dflash_train.model import modeling_dflash  # rotate_half, read at call time (the module imports this one)
 
 KNOB = "objective.layer_kernels compiled"
 ROPE_DYNAMIC = {0: [0, 1, 2], 1: [0, 1], 2: [0, 1]}  # x [A, heads, n, d]: A, the heads (q or kv) and n vary
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """R x = (-x2, x1) over the last dim: RoPE's rotation, eager (modeling_dflash) and fused (here)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
 
 
 # RMSNorm: out = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), x [M, H] -------------------------
@@ -100,13 +105,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # RoPE: x * cos + rotate_half(x) * sin, x [A, heads, n, d], cos/sin [A, n, d] ---------------------
 def _rope_forward(x, cos, sin):
     xf, c, s = x.float(), cos.float().unsqueeze(-3), sin.float().unsqueeze(-3)
-    return (xf * c + modeling_dflash.rotate_half(xf) * s).to(x.dtype)
+    return (xf * c + rotate_half(xf) * s).to(x.dtype)
 
 
 def _rope_backward(grad, cos, sin):
     # rotate_half is R x = (-x2, x1), whose transpose is -R: the gradient is g * cos - R(g * sin)
     g, c, s = grad.float(), cos.float().unsqueeze(-3), sin.float().unsqueeze(-3)
-    return g * c - modeling_dflash.rotate_half(g * s)
+    return g * c - rotate_half(g * s)
 
 
 class _RoPE(torch.autograd.Function):

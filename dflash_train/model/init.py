@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from dflash_train.features.architectures import architecture
+from dflash_train.architectures import architecture
 from dflash_train.features.mask_token import check_mask_token_id, default_mask_token_id
-from dflash_train.features.target import DEFAULT_TARGET_NAME, load_target_config, load_tokenizer, resolve_target
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.modeling_dflash import DFlashDraftModel
+from dflash_train.target import DEFAULT_TARGET_NAME, load_target_config, load_tokenizer, resolve_target
 
 
 def drafter_config_for_target(target: str | None, *, num_layers: int = 1, block_size: int = 16,

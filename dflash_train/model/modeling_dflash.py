@@ -35,6 +35,7 @@ from torch import nn
 
 from dflash_train.model import fused_ops
 from dflash_train.model.config import DFlashConfig
+from dflash_train.model.fused_ops import rotate_half
 
 
 class DFlashRMSNorm(nn.Module):
@@ -79,11 +80,6 @@ class DFlashRotary(nn.Module):
         freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

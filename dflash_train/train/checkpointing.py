@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from convert.weights import tensor_shapes, write_json
 from dflash_train.errors import CheckpointError, OutputError
 from dflash_train.model.checkpoint import save_drafter
+from dflash_train.model.weights import tensor_shapes, write_json
 from dflash_train.outputs import install_folder, is_disk_full, no_room
 from dflash_train.train.engine import World, all_reduce_sum, barrier, gathered_params
 

@@ -78,7 +78,7 @@ def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
 
 
 def _cache_base(data: DataConfig) -> Path:
-    from dflash_train.features.target import cache_dir
+    from dflash_train.target import cache_dir
 
     return Path(data.cache_dir) if data.cache_dir else cache_dir() / "data"
 
@@ -291,7 +291,7 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
     except ImportError as exc:
         raise MissingDependencyError("data.features: offline needs dflash_train.features.cache (not installed in "
                                      "this checkout); use data.features: memory or online") from exc
-    from dflash_train.features.target import dtype_name, target_torch_dtype
+    from dflash_train.target import dtype_name, target_torch_dtype
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     compute = dtype_name(target_torch_dtype(data.target_dtype, device))

@@ -63,7 +63,7 @@ class FiniteGuard:
 
     def check_weights(self, step: int, module: torch.nn.Module) -> None:
         """Raise TrainingError when a weight about to be saved is not finite."""
-        from convert.validate import all_finite
+        from dflash_train.model.checks import all_finite
 
         bad = next((n for n, p in module.named_parameters() if not all_finite(p.detach())), None)
         if bad is None:

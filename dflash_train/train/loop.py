@@ -27,6 +27,7 @@ from dflash_train.data.packing import plan_microbatches
 from dflash_train.errors import ConfigError
 from dflash_train.train import checkpointing as ckpt
 from dflash_train.train.anchors import anchor_candidates
+from dflash_train.train.auto_dtypes import dtype_fields, resolve_auto_dtypes
 from dflash_train.train.batches import build_microbatch, head_rows, microbatch_loss
 from dflash_train.train.device import StepKernels, check_drafter_fits, oom_guard, resolve_attention, step_kernels
 from dflash_train.train.documents import (
@@ -51,7 +52,7 @@ from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.loss import BlockStats
 from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
 from dflash_train.train.prefetch import StepPrefetch
-from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, resolve_auto_dtypes, resolve_init_from
+from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, resolve_init_from
 from dflash_train.train.run_folder import RESUME_MODES, check_output, finished_summary, past_the_end, space_needed
 
 
@@ -242,9 +243,9 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     own (the recipe file) that --output must not hold. `notify` gets one-line progress notes
     (resumed from where, damaged checkpoints skipped); by default they are warnings.
     """
-    from convert.weights import write_json
-    from dflash_train.features.target import load_target, resolve_target, target_torch_dtype
+    from dflash_train.model.weights import write_json
     from dflash_train.outputs import check_writable, ensure_folder, plan_output
+    from dflash_train.target import load_target, resolve_target, target_torch_dtype
 
     t_start = time.time()
     resolved = resolve_init_from(resolved)
@@ -404,7 +405,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             "kernels": {"attention": kernels.attention, "head": kernels.head, "layers": kernels.layers,
                         "logits_chunk": kernels.logits_chunk, "fallbacks": dict(compiled.fallbacks)},
             # the dtypes that ran and the layer that set each (`auto: this CPU has avx512_bf16`)
-            "dtypes": resolved.dtypes(),
+            "dtypes": dtype_fields(resolved),
             "wall_time_s": round(time.time() - t_start, 2), "final": str(final), "eval": None,
         }
         write_summary(output / "summary.json", summary)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from convert.weights import write_json
+from dflash_train.model.weights import write_json
 from dflash_train.outputs import png_software
 
 

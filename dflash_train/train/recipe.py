@@ -312,16 +312,6 @@ class ResolvedRecipe:
         data = self.recipe.model_dump(mode="json")
         return {k: data[k] for k in RUN_IDENTITY}
 
-    def dtypes(self) -> dict:
-        """{field: {"value", "set_by"}} for the dtype and precision fields that `auto` may set."""
-        out = {}
-        for path in AUTO_DTYPE_FIELDS:
-            node = self.recipe
-            for key in path.split("."):
-                node = getattr(node, key)
-            out[path] = {"value": node, "set_by": self.sources.get(path, "default")}
-        return out
-
 
 # drafter fields a drafter.init_from folder decides, and how to read each from its config
 INIT_FROM_FIELDS = {
@@ -377,35 +367,6 @@ def resolve_init_from(resolved: ResolvedRecipe) -> ResolvedRecipe:
     except DFlashError as exc:
         raise ConfigError(f"drafter.init_from {folder}: {exc}") from None
     return apply_init_from(resolved, cfg)
-
-
-# the fields whose `auto` is resolved by the machine a run starts on (machine.auto_dtype)
-AUTO_DTYPE_FIELDS = ("data.regenerate.dtype", "data.target_dtype", "engine.precision")
-AUTO_PRECISION = {"CUDA": "bf16", "bfloat16": "bf16-mixed", "float32": "fp32"}
-
-
-def resolve_auto_dtypes(resolved: ResolvedRecipe, device=None) -> ResolvedRecipe:
-    """The recipe with each `auto` of AUTO_DTYPE_FIELDS replaced by what `device` (default: CUDA when
-    there is one) computes fastest in, its layer saying why ("auto: this CPU has avx512_bf16"): the run
-    folder, the caches' keys and a resume then name the dtype that ran, not `auto`."""
-    from dflash_train.machine import auto_dtype
-
-    if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype, why = auto_dtype(device)
-    data = resolved.recipe.model_dump()
-    sources = dict(resolved.sources)
-    for path in AUTO_DTYPE_FIELDS:
-        *parents, leaf = path.split(".")
-        node = data
-        for key in parents:
-            node = node[key]
-        if node[leaf] == "auto" and (path != "data.regenerate.dtype" or node["enabled"]):
-            node[leaf] = AUTO_PRECISION["CUDA" if why == "CUDA" else dtype] if leaf == "precision" else dtype
-            sources[path] = f"auto: {why}"
-    return ResolvedRecipe(TrainRecipe.model_validate(data), sources)
 
 
 def _emit(tree: dict, sources: dict[str, str], prefix: str, indent: int):

@@ -67,7 +67,7 @@ def test_vllm_acceptance_matches_our_eval(tmp_path, smollm2_path, vllm_python, a
     from conftest import ACCEPTING_PROMPTS as NUM_PROMPTS
 
     from dflash_train.eval.prompts import load_prompts, render_prompts
-    from dflash_train.features.target import load_tokenizer
+    from dflash_train.target import load_tokenizer
     from serve_shim.launch import start_server
     from serve_shim.metrics import stats_between
 

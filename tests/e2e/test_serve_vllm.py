@@ -43,7 +43,7 @@ def drafter(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_home(tmp_path_factory, smollm2_path):
     """A private HF_HOME where the embedded SmolLM2 sits as HuggingFaceTB/SmolLM2-135M-Instruct."""
-    from dflash_train.features.target import DEFAULT_TARGET_NAME
+    from dflash_train.target import DEFAULT_TARGET_NAME
 
     home = tmp_path_factory.mktemp("hf_home")
     repo = home / "hub" / ("models--" + DEFAULT_TARGET_NAME.replace("/", "--"))

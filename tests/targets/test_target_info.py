@@ -34,7 +34,7 @@ def gpt2_target(tmp_path_factory, smollm2_path):
 
 
 def test_unsupported_architecture_is_refused_before_any_data_work(gpt2_target, tmp_path):
-    from dflash_train.features.architectures import ARCHITECTURES
+    from dflash_train.architectures import ARCHITECTURES
 
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
@@ -75,8 +75,8 @@ def test_target_info_on_a_model_vllm_does_not_serve(tiny_target):
 def test_existing_errors_hold_on_the_new_architectures(model_type, tiny_target):
     from dflash_train.errors import ConfigError
     from dflash_train.features.online import OnlineFeatures
-    from dflash_train.features.target import load_target
     from dflash_train.model.init import drafter_config_for_target
+    from dflash_train.target import load_target
 
     folder = str(tiny_target(model_type))
     model, tok = load_target(folder)

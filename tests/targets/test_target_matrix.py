@@ -1,4 +1,4 @@
-"""The target matrix: every architecture in the registry (dflash_train/features/architectures.py) as a
+"""The target matrix: every architecture in the registry (dflash_train/architectures.py) as a
 tiny random target (tests/tiny_targets.py) through the pipeline.
 
 Fast tier, per architecture: features are the decoder layers' outputs (compared with plain forward hooks
@@ -17,7 +17,7 @@ import pytest
 import torch
 from tiny_targets import CONFIGS
 
-from dflash_train.features.architectures import ARCHITECTURES
+from dflash_train.architectures import ARCHITECTURES
 
 ARCHS = sorted(ARCHITECTURES)
 CHATS = [[{"role": "user", "content": f"What is {i} plus {i + 3}?"},
@@ -30,7 +30,7 @@ def test_the_matrix_covers_the_registry():
 
 
 def _load(folder):
-    from dflash_train.features.target import load_target
+    from dflash_train.target import load_target
 
     return load_target(str(folder), dtype=torch.float32)
 
@@ -130,10 +130,11 @@ def test_whole_pipeline(model_type, tiny_target, tmp_path, one_thread):
     from typer.testing import CliRunner
 
     from convert.convert import convert_checkpoint
-    from convert.validate import PASS, SKIP, WARN, validate_folder
+    from convert.validate import validate_folder
     from dflash_train.data.prepare import prepare_dataset
     from dflash_train.eval.spec_decode import evaluate
     from dflash_train.model.checkpoint import load_drafter
+    from dflash_train.model.checks import PASS, SKIP, WARN
     from dflash_train.train.loop import train
     from dflash_train.train.recipe import load_recipe
     from serve_shim.cli import app as serve_app

@@ -36,9 +36,9 @@ def test_vllm_cpu_serves_a_qwen3_moe_target_with_our_drafter(tmp_path, smollm2_p
     from tiny_targets import make_tiny_target
 
     from dflash_train.eval.spec_decode import plain_generate, speculative_generate
-    from dflash_train.features.target import load_target
     from dflash_train.model.checkpoint import load_drafter, save_drafter
     from dflash_train.model.init import new_drafter_for_target
+    from dflash_train.target import load_target
 
     target = make_tiny_target("qwen3_moe", tmp_path / "target", smollm2_path, head_dim=64)
     save_drafter(new_drafter_for_target(str(target), num_layers=1, block_size=4, target_layer_ids=[1, 2],

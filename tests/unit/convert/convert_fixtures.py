@@ -62,6 +62,6 @@ def edit_tensors(folder: Path, fn) -> None:
 
 
 def all_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from convert.weights import read_tensors
+    from dflash_train.model.weights import read_tensors
 
     return read_tensors(folder)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from convert_fixtures import all_tensors, edit_tensors, read_config, tiny_cfg, write_config, write_drafter
 
-from convert import formats
 from convert.convert import convert_checkpoint, read_source, resolve_source
-from convert.weights import INDEX_FILE
 from dflash_train.errors import CheckpointError, ConfigError
+from dflash_train.model import formats
 from dflash_train.model.checkpoint import expected_shapes
+from dflash_train.model.weights import INDEX_FILE
 
 PAIRS = list(itertools.permutations(sorted(formats.FORMATS), 2))
 

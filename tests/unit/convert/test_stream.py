@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from convert.stream import OutTensor, folder_refs, read_header, write_streaming
 from dflash_train.errors import CheckpointError
+from dflash_train.model.stream import OutTensor, folder_refs, read_header, write_streaming
 
 
 def _tensors():

@@ -8,10 +8,10 @@ import pytest
 import torch
 from convert_fixtures import edit_tensors, read_config, tiny_cfg, write_config, write_drafter
 
-from convert import formats
 from convert.convert import convert_checkpoint
 from convert.rules import RULES
 from convert.validate import validate_folder
+from dflash_train.model import formats
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +205,8 @@ def _target_config(**kw):
     (_tens(lambda t: {**t, "layers.9.extra": torch.ones(2)}), "unknown tensor `layers.9.extra`"),
 ])
 def test_check_drafter_refuses_with_one_named_reason(tmp_path, mutate, message):
-    from convert.validate import check_drafter
     from dflash_train.errors import CheckpointError
+    from dflash_train.model.checks import check_drafter
 
     folder = _drafter(tmp_path)
     mutate(folder)
@@ -219,7 +219,7 @@ def test_check_drafter_refuses_with_one_named_reason(tmp_path, mutate, message):
 
 def test_check_drafter_accepts_what_loaders_drop(tmp_path):
     """`model.` prefixes and frozen copies other writers store are a loader's business, not a failure."""
-    from convert.validate import check_drafter
+    from dflash_train.model.checks import check_drafter
 
     folder = _drafter(tmp_path)
     edit_tensors(folder, lambda t: {**{f"model.{k}": v for k, v in t.items()},
@@ -230,8 +230,8 @@ def test_check_drafter_accepts_what_loaders_drop(tmp_path):
 
 
 def test_check_drafter_against_a_loaded_target(tmp_path):
-    from convert.validate import check_drafter
     from dflash_train.errors import CheckpointError
+    from dflash_train.model.checks import check_drafter
 
     folder = _drafter(tmp_path)
     assert check_drafter(folder, tiny_cfg(), target_config=_target_config()).ok
@@ -245,8 +245,8 @@ def test_check_drafter_mask_id_must_be_spare_in_the_target(tmp_path, smollm2_pat
     """Against the real SmolLM2 target: id 16 is an unused special token, id 1 is what the template emits."""
     from convert_fixtures import smollm2_cfg
 
-    from convert.validate import check_drafter
     from dflash_train.errors import CheckpointError
+    from dflash_train.model.checks import check_drafter
 
     model, tokenizer = smollm2
     folder = write_drafter(tmp_path / "s", smollm2_cfg())
@@ -259,7 +259,7 @@ def test_check_drafter_mask_id_must_be_spare_in_the_target(tmp_path, smollm2_pat
 
 
 def test_find_local_target_never_uses_the_network(tmp_path, smollm2_path, monkeypatch):
-    from convert.validate import find_local_target
+    from dflash_train.model.checks import find_local_target
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert find_local_target(str(smollm2_path)) == str(smollm2_path)
@@ -270,7 +270,7 @@ def test_find_local_target_never_uses_the_network(tmp_path, smollm2_path, monkey
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_all_finite_finds_every_nan_and_inf(dtype):
-    from convert.validate import all_finite
+    from dflash_train.model.checks import all_finite
 
     t = torch.randn(1031, 17).to(dtype)  # odd sizes: vectorised bodies and scalar tails
     assert all_finite(t) and all_finite(t[:0]) and all_finite(torch.zeros((), dtype=dtype))

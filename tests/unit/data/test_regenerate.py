@@ -99,7 +99,7 @@ GOLDEN = Path(__file__).resolve().parents[2] / "assets" / "regenerate_greedy_row
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory, smollm2_path):
     """Rows the regenerate code of f25d61f wrote for these conversations (HF generate, CPU, float32)."""
-    from dflash_train.features.target import load_tokenizer
+    from dflash_train.target import load_tokenizer
 
     g = json.loads(GOLDEN.read_text())
     folder = tmp_path_factory.mktemp("golden") / "in"
@@ -186,14 +186,14 @@ def test_vllm_engine_in_its_own_venv_matches_hf_greedy(tmp_path, prepared, smoll
     monkeypatch.setenv("DFLASH_VLLM_PYTHON", python)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     workers = []
-    real = regen._VLLMWorker
+    real = regen.VLLMWorker
 
     class Spy(real):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             workers.append(self)
 
-    monkeypatch.setattr(regen, "_VLLMWorker", Spy)
+    monkeypatch.setattr(regen, "VLLMWorker", Spy)
     hf = regen.regenerate_dataset(None, prepared, tmp_path / "hf", max_new_tokens=12, batch_size=2)
     vl = regen.regenerate_dataset(None, prepared, tmp_path / "vllm", max_new_tokens=12, batch_size=2, engine="vllm")
     assert len(workers) == 1 and workers[0].proc.poll() == 0
@@ -293,7 +293,7 @@ def test_source_labels_travel_through_regeneration(tmp_path, smollm2, one_thread
 def test_vllm_cpu_kv_cache_scales_with_free_memory():
     """A fifth of the free RAM, within 512 MiB .. 4 GiB: 24 GiB free gives 4 GiB (all 256 rows of a batch
     decode at once), a small machine keeps vLLM's floor, and the default reads this machine's memory."""
-    from dflash_train.data.regenerate import cpu_kv_cache_bytes
+    from dflash_train.data.vllm_worker import cpu_kv_cache_bytes
 
     gib = 1024**3
     assert cpu_kv_cache_bytes(24 * gib) == 4 * gib

@@ -7,14 +7,13 @@ import json
 import pytest
 
 from dflash_train.eval.report import (
-    PromptResult,
     build_report,
     plot_report,
     step_stats,
     summary_lines,
     write_report_json,
 )
-from dflash_train.eval.spec_decode import Generation, Step
+from dflash_train.eval.results import Generation, PromptResult, Step
 
 
 def test_step_stats_counts_positions_and_lengths():

@@ -7,13 +7,13 @@ import json
 import pytest
 from handbuilt_models import MASK, copy_drafter, cycle_target
 
-from convert.formats import zlab
-from convert.weights import write_json, write_tensors
 from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.eval.report import step_stats
 from dflash_train.eval.run import EvalConfig, resolve_drafter_dir, run_eval
 from dflash_train.eval.spec_decode import plain_generate, speculative_generate
 from dflash_train.model.checkpoint import load_drafter, save_drafter
+from dflash_train.model.formats import zlab
+from dflash_train.model.weights import write_json, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -66,7 +66,7 @@ def test_greedy_is_lossless_with_a_random_drafter(smollm2, random_drafter):
 def test_without_the_speedup_run_losslessness_comes_from_the_teacher_forced_argmax(smollm2, random_drafter):
     """--no-speedup: no plain decoding; each generated token is checked against the target's argmax after
     its prefix in the teacher-forced forward, which flags a token the decoding got wrong at its index."""
-    from dflash_train.eval.spec_decode import Generation
+    from dflash_train.eval.results import Generation
     from dflash_train.eval.teacher_forced import teacher_forced_report
 
     target, tokenizer = smollm2

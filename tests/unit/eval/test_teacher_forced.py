@@ -6,7 +6,8 @@ import pytest
 from handbuilt_models import MASK, constant_drafter, copy_drafter, cycle_target
 
 from dflash_train.eval.report import teacher_forced_lines
-from dflash_train.eval.spec_decode import Generation, Step, speculative_generate
+from dflash_train.eval.results import Generation, Step
+from dflash_train.eval.spec_decode import speculative_generate
 from dflash_train.eval.teacher_forced import teacher_forced_report
 
 pytestmark = pytest.mark.usefixtures("one_thread")

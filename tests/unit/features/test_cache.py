@@ -299,7 +299,7 @@ def test_target_dtype_is_an_input_of_the_cache(cache, prepared, tmp_path):
 
 def test_target_dtype_names():
     from dflash_train.errors import DFlashError
-    from dflash_train.features.target import target_torch_dtype
+    from dflash_train.target import target_torch_dtype
 
     assert target_torch_dtype("auto", "cpu") is torch.float32
     assert target_torch_dtype(None, "cuda:0") is torch.bfloat16

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from dflash_train.features.target import DEFAULT_TARGET_NAME, default_target_path, resolve_target
+from dflash_train.target import DEFAULT_TARGET_NAME, default_target_path, resolve_target
 
 
 def test_default_target_is_a_real_smollm2_folder(smollm2_path):
@@ -46,7 +46,7 @@ def test_unreadable_targets_are_one_line_naming_the_flag(tmp_path):
     import pytest
 
     from dflash_train.errors import DFlashError
-    from dflash_train.features.target import load_target_config, load_tokenizer
+    from dflash_train.target import load_target_config, load_tokenizer
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))  # no model_type
     with pytest.raises(DFlashError, match=f"--target {tmp_path}: cannot load its config .*model_type"):

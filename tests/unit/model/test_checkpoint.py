@@ -102,10 +102,10 @@ def test_speculators_frozen_copies_are_accepted_and_dropped(saved, smollm2_draft
 
 
 def test_zlab_folders_load(saved, smollm2_drafter):
-    from convert.formats import zlab
+    from dflash_train.model.formats import zlab
 
     cfg = json.loads((saved / "config.json").read_text())
-    from convert.formats import speculators
+    from dflash_train.model.formats import speculators
 
     zcfg = zlab.to_config_dict(speculators.from_config_dict(cfg))
     (saved / "config.json").write_text(json.dumps(zcfg))

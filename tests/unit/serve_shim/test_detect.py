@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from convert.run_folder import newest_run_checkpoint as newest_checkpoint
 from dflash_train.errors import CheckpointError
+from dflash_train.model.locate import newest_run_checkpoint as newest_checkpoint
 from serve_shim.detect import detect_drafter, is_hub_id
 
 

@@ -2,7 +2,7 @@
 
 import json
 
-from convert.weights import read_tensors
+from dflash_train.model.weights import read_tensors
 from serve_shim.detect import detect_drafter
 from serve_shim.zlab_cache import minimal_to_zlab, zlab_cache_path, zlab_location
 

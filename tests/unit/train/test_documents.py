@@ -4,7 +4,7 @@ which rows train, which are held out and which the periodic check reads."""
 import pytest
 import torch
 
-from dflash_train.features.target import load_target
+from dflash_train.target import load_target
 from dflash_train.train.documents import DocumentSource, load_rows
 
 

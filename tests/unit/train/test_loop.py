@@ -299,9 +299,9 @@ def test_a_step_never_reads_the_device(train_tiny_target, train_prepared, attent
     float, .cpu(), a boolean-mask index, a data-dependent shape) raises: the statistics, token count
     and loss scale stay on the device until the loop logs them; kl's top-k teacher too; and the optimizer
     step after the last micro-batch (fp32 masters, the clip norm, AdamW) reads nothing either."""
-    from dflash_train.features.target import load_target
     from dflash_train.model.config import DFlashConfig
     from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.target import load_target
     from dflash_train.train.device import StepKernels
     from dflash_train.train.documents import DocumentSource, load_rows
     from dflash_train.train.engine import World
@@ -347,8 +347,8 @@ def test_a_whole_run_with_its_checks_needs_few_flex_compiles(train_tiny_target, 
     the loop builds them: the block masks' padded lengths give at most 10 compiles (one layer kind;
     training with grads, the checks without), every one with the same context length. (CPU has no flex
     backward, so the shapes are counted, not compiled; one compile per shape is test_flex.py's.)"""
-    from dflash_train.features.target import load_target
     from dflash_train.model.flex import bucket
+    from dflash_train.target import load_target
     from dflash_train.train.documents import DocumentSource, fit_rows, holdout_split, load_rows, validation_rows
     from dflash_train.train.engine import World
     from dflash_train.train.loop import StepPlan, _microbatch, check_plan, step_batches
@@ -379,9 +379,9 @@ def gpu_step_syncs(target: str, prepared: str) -> dict:
     """A whole training step on a GPU through the real DeepSpeed engine (ZeRO-0, bf16, DeviceAdamW, split
     attention, memory features), its second step under torch's sync debug mode set to raise on any
     host-device synchronisation. Run in its own process (a process group, a global debug mode)."""
-    from dflash_train.features.target import load_target
     from dflash_train.model.config import DFlashConfig
     from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.target import load_target
     from dflash_train.train.device import StepKernels
     from dflash_train.train.documents import DocumentSource, load_rows
     from dflash_train.train.engine import build_engine, init_distributed

@@ -141,12 +141,12 @@ def test_a_block_size_past_the_bound_is_refused_by_name():
 def test_auto_dtypes_resolve_by_the_machine_and_say_why(monkeypatch, pick, dtype, precision):
     """Every `auto` dtype and precision becomes the machine's pick, its layer saying why; fields the
     recipe set stay as set; regeneration's dtype stays auto while regeneration is off (no cache key moves)."""
-    from dflash_train.train.recipe import resolve_auto_dtypes
+    from dflash_train.train.auto_dtypes import dtype_fields, resolve_auto_dtypes
 
     monkeypatch.setenv("DFLASH_AUTO_DTYPE", pick)
     base = {"data": {"source": "chitchat", "regenerate": {"enabled": True}}}
     r = resolve_auto_dtypes(load_recipe(None, ["engine.precision=bf16"], base=base), "cpu")
-    assert r.dtypes() == {"data.regenerate.dtype": {"value": dtype, "set_by": f"auto: DFLASH_AUTO_DTYPE={pick}"},
+    assert dtype_fields(r) == {"data.regenerate.dtype": {"value": dtype, "set_by": f"auto: DFLASH_AUTO_DTYPE={pick}"},
                           "data.target_dtype": {"value": dtype, "set_by": f"auto: DFLASH_AUTO_DTYPE={pick}"},
                           "engine.precision": {"value": "bf16", "set_by": "--set"}}
     assert f"target_dtype: {dtype}  # auto: DFLASH_AUTO_DTYPE={pick}" in r.to_yaml()
@@ -163,8 +163,10 @@ def test_the_demo_recipe_leaves_dtypes_to_the_machine(tmp_path):
     from pathlib import Path
 
     recipe = Path(__file__).resolve().parents[3] / "recipes" / "smollm2-135m-demo.yaml"
+    from dflash_train.train.auto_dtypes import dtype_fields
+
     r = load_recipe(recipe)
-    assert [v["value"] for v in r.dtypes().values()] == ["auto", "auto", "auto"]
+    assert [v["value"] for v in dtype_fields(r).values()] == ["auto", "auto", "auto"]
     cli = Path(sys.executable).parent / "dflash-train"
     for env, dtype, precision, why in (({"ONEDNN_MAX_CPU_ISA": "AVX2"}, "float32", "fp32", "ONEDNN_MAX_CPU_ISA=AVX2"),
                                        ({"DFLASH_AUTO_DTYPE": "bfloat16"}, "bfloat16", "bf16-mixed",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from convert.weights import weight_files
 from dflash_train.errors import CheckpointError
+from dflash_train.model.weights import weight_files
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 _INNER = ("", "drafter", "model")

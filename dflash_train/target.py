@@ -117,7 +117,7 @@ def load_target_config(target: str | os.PathLike | None):
 def check_architecture(target: str | os.PathLike | None):
     """The target's registry entry (architectures.py); a ConfigError naming its architecture and the
     supported ones otherwise. Commands call it before any data work."""
-    from dflash_train.features.architectures import architecture
+    from dflash_train.architectures import architecture
 
     return architecture(load_target_config(target))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -185,20 +186,72 @@ def test_writer_error_surfaces_and_the_rerun_resumes(cache, prepared, smollm2, t
     assert not list(out.glob(".*.tmp"))
 
 
+# bf16 against fp32 features of one target, measured on CPU (2026-11-26, the 7 rows below): cosine per
+# token and layer >= 0.9963, relative L2 per row <= 0.0055, greedy tokens 97.3% equal; 3.4-3.9% of the
+# elements lie outside rtol/atol 0.1, as on the GPU, so no element-wise tolerance holds. The bounds keep
+# a margin over that; features one position late are off by far more
+BF16_COSINE, BF16_REL_L2, BF16_GREEDY = 0.99, 0.02, 0.93
+
+
+def agreement(ref: FeatureCache, got: FeatureCache) -> dict:
+    """Same ids and masks row by row (asserted), and how close the features are: the least cosine per
+    token and layer, the largest relative L2 per row, the share of equal greedy tokens."""
+    layers = len(ref.manifest["target_layer_ids"])
+    cos, rel, same, n = 1.0, 0.0, 0, 0
+    for i in range(len(ref)):
+        a, b = ref.document(i), got.document(i)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask), i
+        fa, fb = (d.features.float().view(len(d.input_ids), layers, -1) for d in (a, b))
+        cos = min(cos, float(torch.nn.functional.cosine_similarity(fa, fb, dim=-1).min()))
+        rel = max(rel, float((fa - fb).norm() / fa.norm()))
+        same, n = same + int((a.greedy_next == b.greedy_next).sum()), n + len(a.greedy_next)
+    return {"cosine": cos, "rel_l2": rel, "greedy": same / n}
+
+
+@pytest.fixture(scope="module")
+def fp32_cache(tmp_path_factory, prepared):
+    """The fp32 target's features stored in fp32: the reference the device and dtype comparisons read."""
+    out = tmp_path_factory.mktemp("fp32") / "features"
+    return write_feature_cache(None, prepared, out, rows_per_shard=4, target_dtype="float32", dtype="float32")
+
+
+def test_bf16_features_agree_with_fp32_in_aggregate(fp32_cache, prepared, tmp_path):
+    """The bounds the GPU's bf16 default is held to, met by a bf16 target on CPU, and failed by far by a
+    cache whose features sit one token late (what a misplaced row or position in a writer would leave)."""
+    bf16 = write_feature_cache(None, prepared, tmp_path / "bf16", rows_per_shard=4, target_dtype="bfloat16",
+                               dtype="float32")
+    got = agreement(FeatureCache(fp32_cache), FeatureCache(bf16))
+    assert got["cosine"] >= BF16_COSINE and got["rel_l2"] <= BF16_REL_L2 and got["greedy"] >= BF16_GREEDY, got
+    assert got["rel_l2"] > 0  # bf16 really ran: not the reference read twice
+
+    class Shifted(FeatureCache):  # each row's features one token late: a writer's off-by-one
+        def document(self, i):
+            doc = super().document(i)
+            return dataclasses.replace(doc, features=doc.features.roll(1, dims=0))
+
+    assert agreement(FeatureCache(fp32_cache), Shifted(fp32_cache))["rel_l2"] > 10 * BF16_REL_L2
+
+
 @pytest.mark.gpu
-def test_cuda_cache_matches_the_cpu_cache(cache, prepared, tmp_path):
-    """On a GPU: bf16 target, token batches, side-stream copies, 4 writers; same ids, close features."""
+def test_cuda_fp32_cache_equals_the_cpu_fp32_cache(fp32_cache, prepared, tmp_path):
+    """On a GPU, the writer's whole path (token batches, side-stream copies, 4 writers) in fp32: the CPU
+    fp32 cache to float rounding, so a race in the copies or a misplaced row fails it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = write_feature_cache(None, prepared, tmp_path / "cuda", rows_per_shard=4, target_dtype="float32",
+                              dtype="float32")
+    got = agreement(FeatureCache(fp32_cache), FeatureCache(out))
+    assert got["cosine"] >= 0.9999 and got["rel_l2"] <= 2e-3 and got["greedy"] >= 0.99, got
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_cache_agrees_with_the_cpu_fp32_cache(fp32_cache, prepared, tmp_path):
+    """On a GPU, the default (a bf16 target, bf16 storage) against fp32, in aggregate (BF16_* above)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     out = write_feature_cache(None, prepared, tmp_path / "cuda", rows_per_shard=4)
-    ref, got = FeatureCache(cache), FeatureCache(out)
-    agree = 0
-    for i in range(len(ref)):
-        a, b = ref.document(i), got.document(i)
-        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        torch.testing.assert_close(a.features.float(), b.features.float(), rtol=0.1, atol=0.1)
-        agree += int((a.greedy_next == b.greedy_next).float().mean() > 0.9)
-    assert agree >= len(ref) - 1  # bf16 vs fp32 target: greedy tokens may differ at near-ties
+    got = agreement(FeatureCache(fp32_cache), FeatureCache(out))
+    assert got["cosine"] >= BF16_COSINE and got["rel_l2"] <= BF16_REL_L2 and got["greedy"] >= BF16_GREEDY, got
 
 
 WRITER = """

@@ -212,7 +212,7 @@ def test_bf16_head_on_gpu_equals_the_fp32_head():
     """The CUDA path: torch.mm(..., out_dtype=float32) on bf16 operands (tensor cores, fp32 out)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    hidden, weight, labels, w, _ = (t.cuda() for t in _head_inputs(m=700, h=256, v=32000))
+    hidden, weight, labels, w = (t.cuda() for t in _head_inputs(m=700, h=256, v=32000)[:4])  # [4]: the kl target
     results = {}
     # fp32 hidden against the bf16 head: `engine.precision: fp32` on a GPU (the head is never upcast)
     for name, (hd, wd) in {"fp32": (torch.float32,) * 2, "bf16": (torch.bfloat16,) * 2,

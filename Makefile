@@ -17,7 +17,7 @@ PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12
 GPU_STACK ?= torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0
 pinned = $$($(PY) -c "import importlib.metadata as m; print('$(1)==' + m.version('$(1)'))")
 
-.PHONY: install test test-fast demo lint bench vllm-venv gpu-stack-venv test-gpu-stack clean
+.PHONY: install test test-fast demo demo-gpu lint bench vllm-venv gpu-stack-venv test-gpu-stack clean
 
 install: $(VENV)/.installed
 
@@ -65,6 +65,11 @@ test-fast: install
 
 demo: install vllm-venv
 	DFLASH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VENV)/bin/dflash-train demo --output runs/demo
+
+# a GPU user's first command: the same stages on one GPU, sized for ~5 minutes (recipes/smollm2-135m-demo-gpu.yaml)
+demo-gpu: install
+	$(VENV)/bin/dflash-train demo --config recipes/smollm2-135m-demo-gpu.yaml --output runs/demo-gpu \
+		--num-prompts 16 --max-new-tokens 128
 
 lint: install
 	$(VENV)/bin/ruff check dflash_train convert serve_shim tests bench

@@ -77,6 +77,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
         "val_accept_len_by_source": train_summary.get("val_accept_len_by_source") or {},
         "fit_accept_len": train_summary.get("fit_accept_len"), "validate_ok": bool(validate.get("ok")),
         "dtypes": train_summary.get("dtypes"),  # what `auto` picked on this machine, and why
+        "train_stage_seconds": train_summary.get("stage_seconds"),  # where the train stage's time went
         "serve_command": serve_cmd[-1] if serve_cmd else None,
         "paths": {"drafter": str(out / "drafter"), "drafter_zlab": str(out / "drafter-zlab"),
                   "eval_json": str(out / "eval.json"), "eval_plot": str(out / "eval.png"),

@@ -248,6 +248,12 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     from dflash_train.target import load_target, resolve_target, target_torch_dtype
 
     t_start = time.time()
+    laps, last = {}, [t_start]  # where a run's time goes, stage by stage (summary.json `stage_seconds`)
+
+    def lap(name: str) -> None:
+        now = time.time()
+        laps[name] = round(laps.get(name, 0.0) + now - last[0], 2)
+        last[0] = now
     resolved = resolve_init_from(resolved)
     recipe, output = resolved.recipe, Path(output)
     resume = {True: "must", False: None}.get(resume, resume)
@@ -268,10 +274,12 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     target_path = resolve_target(recipe.target)
     target_model, tokenizer = load_target(target_path, dtype=target_torch_dtype(recipe.data.target_dtype, world.device),
                                           device=str(world.device))
+    lap("load_target")
     if world.is_main:  # rank 0 prepares and caches; the others then read the cache
         data_path = prepared_rows(recipe.data, target_path, recipe.seed)
     barrier()
     data_path = prepared_rows(recipe.data, target_path, recipe.seed) if not world.is_main else data_path
+    lap("prepare_and_regenerate")
     rows = load_rows(data_path)
     train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.seed)
     labels = list(rows["source"]) if "source" in rows.column_names else None
@@ -296,6 +304,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     fit_count = recipe.logging.eval_documents if recipe.logging.fit_documents is None else recipe.logging.fit_documents
     check_fit_rows = fit_rows(train_rows, labels, fit_count, recipe.seed) if val_rows else []
     source.warm(train_rows + val_rows, progress=world.is_main and recipe.logging.progress)
+    lap("features")
     drafter.activation_checkpointing = recipe.engine.activation_checkpointing
     engine, scheduler = build_engine(drafter, recipe, plan.total)
     engine.module.attach_target(target_model)
@@ -342,6 +351,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     guard, lg = FiniteGuard(world.device, recipe.optim.lr, recipe.optim.grad_clip), recipe.logging
     t_loop = time.time()
     # step s + 1's micro-batches are built on the host while the device runs step s (train/prefetch.py)
+    lap("setup")
     prefetch = StepPrefetch(lambda s: step_batches(recipe, source, plan, world, s), plan.total, world.device)
     try:
         for step in range(state["step"], plan.total):
@@ -377,6 +387,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
         prefetch.close()  # also when a step fails: no build left running
     progress.close()
 
+    lap("steps")
     # teardown: final drafter, curves, summary -------------------------------------------------
     guard.check()
     guard.check_weights(plan.total, engine.module)
@@ -406,7 +417,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                         "logits_chunk": kernels.logits_chunk, "fallbacks": dict(compiled.fallbacks)},
             # the dtypes that ran and the layer that set each (`auto: this CPU has avx512_bf16`)
             "dtypes": dtype_fields(resolved),
-            "wall_time_s": round(time.time() - t_start, 2), "final": str(final), "eval": None,
+            "wall_time_s": round(time.time() - t_start, 2), "stage_seconds": {**laps, "final": round(time.time() - last[0], 2)},
+            "final": str(final), "eval": None,
         }
         write_summary(output / "summary.json", summary)
         plot_curves(log.history, output / "curves.png")

@@ -1,0 +1,45 @@
+"""`make demo-gpu`'s command, run on CPU at a tiny size: the GPU recipe's stages end to end (regenerate,
+train, eval on held-out prompts, convert, validate, z-lab, serve dry run) and the summary a GPU user reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demo_gpu_command_runs_every_stage_on_cpu(tmp_path):
+    make = subprocess.run(["make", "-n", "demo-gpu"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    line = " ".join(make.replace("\\\n", " ").split("\n")[-2].split())  # the recipe's command, as make runs it
+    assert "dflash-train demo --config recipes/smollm2-135m-demo-gpu.yaml --output runs/demo-gpu" in line
+    args = line.split("dflash-train", 1)[1].split()
+    args[args.index("--output") + 1] = str(tmp_path / "demo-gpu")
+    args[args.index("--num-prompts") + 1] = "2"
+    args[args.index("--max-new-tokens") + 1] = "8"
+    tiny = ["data.max_samples=16", "data.regenerate.max_new_tokens=8", "data.regenerate.engine=hf",
+            "data.holdout_fraction=0.25", "optim.max_steps=2", "batch.tokens_per_microbatch=1024",
+            "objective.anchors_per_document=8", "drafter.num_layers=1", "logging.eval_documents=2",
+            "logging.progress=false", f"data.cache_dir={tmp_path / 'cache'}"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TQDM_DISABLE": "1", "COLUMNS": "220"}
+    done = subprocess.run([str(Path(sys.executable).parent / "dflash-train"), *args,
+                           *[a for t in tiny for a in ("--set", t)]], capture_output=True, text=True, env=env,
+                          timeout=1200, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    summary = json.loads((tmp_path / "demo-gpu" / "demo_summary.json").read_text())
+    assert summary["train_steps"] == 2 and summary["block_size"] == 16 and summary["validate_ok"]
+    assert summary["lossless"] is True and summary["prompts"] == 2 and summary["tau"] >= 1.0
+    assert set(summary["stage_seconds"]) == {"train", "convert", "eval", "validate", "to-zlab", "serve"}
+    laps = summary["train_stage_seconds"]
+    assert list(laps) == ["load_target", "prepare_and_regenerate", "features", "setup", "steps", "final"]
+    assert all(v >= 0 for v in laps.values()) and sum(laps.values()) <= summary["stage_seconds"]["train"]
+    assert summary["dtypes"]["engine.precision"]["set_by"].startswith("auto: ")  # the recipe leaves it to the machine
+    assert (tmp_path / "demo-gpu" / "drafter-zlab" / "config.json").is_file()
+    assert re.search(r"train stage seconds\s*│?\s*load_target=", done.stdout), done.stdout[-3000:]

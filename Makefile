@@ -17,7 +17,7 @@ PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12
 GPU_STACK ?= torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0
 pinned = $$($(PY) -c "import importlib.metadata as m; print('$(1)==' + m.version('$(1)'))")
 
-.PHONY: install test test-fast demo demo-gpu lint bench vllm-venv gpu-stack-venv test-gpu-stack clean
+.PHONY: install test test-fast demo demo-gpu lint bench bench-gpu vllm-venv gpu-stack-venv test-gpu-stack clean
 
 install: $(VENV)/.installed
 
@@ -75,7 +75,13 @@ lint: install
 	$(VENV)/bin/ruff check dflash_train convert serve_shim tests bench
 
 bench: install
-	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+	for b in $(filter-out bench/bench_gpu_all.py,$(wildcard bench/bench_*.py)); do $(PY) $$b || exit 1; done
+
+# a GPU machine measured under one deadline: the GPU tests, demo-gpu, every GPU bench variant; a JSON line
+# per part in runs/bench-gpu/parts.jsonl as it ends, the table in runs/bench-gpu/table.md (docs/gpu.md)
+DEADLINE ?= 540
+bench-gpu: install
+	$(PY) bench/bench_gpu_all.py --deadline $(DEADLINE)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,161 @@
+"""`make bench-gpu`: one command that measures a GPU machine under one deadline (issue 30, item 6).
+
+Every GPU bench variant, the GPU tests and `make demo-gpu`, each part in its own process group under
+its own timeout, cut to what is left of the deadline (default 540 s: 9 minutes). Each part appends one
+JSON line to `--json` the moment it ends (status ok / failed / timeout / skipped, seconds, the bench
+rows it wrote, its output's tail), so nothing measured is lost when a part fails or the deadline cuts
+the run; a markdown table of every part ends the run (stdout and `--markdown`). Parts are run in the
+order of the plan, the cheap and informative first; a part is skipped when less than `MIN_PART_S`
+seconds of the deadline are left.
+
+Usage: python bench/bench_gpu_all.py [--deadline 540] [--json runs/bench-gpu/parts.jsonl]
+       [--markdown runs/bench-gpu/table.md] [--only NAME ...] [--list] [--plan FILE]
+`--plan FILE`: a JSON list of {"name", "argv", "max_s"} in place of the default plan (tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from variants import commit  # bench/ is on sys.path: the script's own folder
+
+ROOT = Path(__file__).resolve().parents[1]
+MIN_PART_S = 20  # a part given less than this would only report its start-up
+PY = sys.executable
+FIRST_STEP_VARIANTS = ("flex-1", "flex-5", "train")  # the issue's targets, before their baselines
+
+
+def default_plan() -> list[dict]:
+    """(name, argv, max seconds): the GPU tests first (minutes of nothing if the stack is broken), then
+    the 5-minute demo, the data and head benches, then the training-step variants."""
+    bench = str(ROOT / "bench")
+    plan = [{"name": "gpu-tests", "argv": [PY, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider"],
+             "max_s": 150},
+            {"name": "demo-gpu", "argv": [str(Path(PY).parent / "dflash-train"), "demo", "--config",
+                                          "recipes/smollm2-135m-demo-gpu.yaml", "--output", "runs/demo-gpu",
+                                          "--num-prompts", "16", "--max-new-tokens", "128"], "max_s": 420},
+            {"name": "regen", "argv": [PY, f"{bench}/bench_gpu_data.py", "--variant", "regen", "--json", "{rows}"],
+             "max_s": 180},
+            {"name": "head", "argv": [PY, f"{bench}/bench_head.py"], "max_s": 90}]
+    from bench_train_gpu import VARIANTS  # the bench's own registry: a new variant joins the plan
+
+    for v in sorted(VARIANTS, key=lambda v: (v not in FIRST_STEP_VARIANTS, FIRST_STEP_VARIANTS.index(v)
+                                             if v in FIRST_STEP_VARIANTS else 0)):
+        steps = ["--train-steps", "60"] if v == "train" else ["--steps", "10"]
+        plan.append({"name": f"step:{v}", "argv": [PY, f"{bench}/bench_train_gpu.py", "--variant", v, *steps,
+                                                   "--json", "{rows}"], "max_s": 230 if v == "train" else 150})
+    return plan
+
+
+def headline(part: dict) -> str:
+    """One cell for the table: the tests' closing line, the demo's tau, a bench row's key figures."""
+    tail = part.get("tail", "")
+    if part["status"] == "skipped":
+        return part.get("why", "")
+    for line in reversed(tail.splitlines()):
+        if " passed" in line or " failed" in line:
+            return line.strip("= ").strip()
+        if "tau (tokens per target forward)" in line:
+            return "tau " + line.split("│")[2].strip() if "│" in line else line.strip()
+    if part.get("rows"):
+        keys = ("step_ms", "tokens_per_s", "new_tokens_per_s", "peak_gib", "bound_fraction", "error")
+        row = part["rows"][-1]
+        return ", ".join(f"{k} {row[k]}" for k in keys if k in row) or f"{len(part['rows'])} rows"
+    return (tail.strip().splitlines() or [""])[-1][:120]
+
+
+def run_part(part: dict, timeout: float) -> dict:
+    """Run one part in its own process group; its bench rows come from a fresh `{rows}` file."""
+    with tempfile.NamedTemporaryFile("w+", suffix=".jsonl", delete=False) as rows_file:
+        rows_path = rows_file.name
+    argv = [a.replace("{rows}", rows_path) for a in part["argv"]]
+    t0 = time.time()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        status = "ok" if proc.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the part's own children (a demo's stages) too
+        out, _ = proc.communicate()
+        status = "timeout"
+    text = Path(rows_path).read_text() if Path(rows_path).is_file() else ""
+    Path(rows_path).unlink(missing_ok=True)
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if status == "ok" and any("error" in r for r in rows):
+        status = "failed"
+    return {"part": part["name"], "status": status, "exit_code": proc.returncode, "seconds": round(time.time() - t0, 1),
+            "timeout_s": round(timeout, 1), "rows": rows, "tail": (out or "")[-3000:]}
+
+
+def run_plan(plan: list[dict], deadline_s: float, json_path: Path, markdown_path: Path) -> list[dict]:
+    start, results = time.time(), []
+    context = {"commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    try:
+        import torch
+
+        context["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
+    except ImportError:
+        context["gpu"] = "unknown"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    for part in plan:
+        left = deadline_s - (time.time() - start) - 5  # 5 s to write the last row and the table
+        timeout = min(float(part["max_s"]), left)
+        if left < MIN_PART_S:
+            row = {"part": part["name"], "status": "skipped", "seconds": 0.0,
+                   "why": f"{max(left, 0):.0f} s of the {deadline_s:g} s deadline left"}
+        else:
+            print(f"== {part['name']} (timeout {timeout:.0f} s)", flush=True)
+            row = run_part(part, timeout)
+        row = {**context, **row}
+        with open(json_path, "a") as f:  # at once: a later part's failure or the deadline loses nothing
+            f.write(json.dumps(row) + "\n")
+        print(f"== {part['name']}: {row['status']} in {row['seconds']} s", flush=True)
+        results.append(row)
+    table = markdown(results, context, time.time() - start)
+    markdown_path.parent.mkdir(parents=True, exist_ok=True)
+    markdown_path.write_text(table)
+    print(table)
+    return results
+
+
+def markdown(results: list[dict], context: dict, wall: float) -> str:
+    lines = [f"GPU bench, {context['date']}, {context['gpu']}, commit {context['commit']}, {wall:.0f} s in all", "",
+             "| part | status | seconds | result |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['part']} | {r['status']} | {r['seconds']} | {headline(r).replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--deadline", type=float, default=540, help="seconds for the whole run (default 540)")
+    ap.add_argument("--json", default="runs/bench-gpu/parts.jsonl", help="one JSON line per finished part")
+    ap.add_argument("--markdown", default="runs/bench-gpu/table.md", help="the table of every part")
+    ap.add_argument("--only", action="append", metavar="NAME", help="run only these parts (repeatable)")
+    ap.add_argument("--list", action="store_true", help="print the plan and exit")
+    ap.add_argument("--plan", help="a JSON file: a list of {name, argv, max_s} instead of the default plan")
+    args = ap.parse_args()
+    plan = json.loads(Path(args.plan).read_text()) if args.plan else default_plan()
+    if args.only:
+        unknown = sorted(set(args.only) - {p["name"] for p in plan})
+        if unknown:
+            ap.error(f"--only {unknown[0]}: not a part; --list names them")
+        plan = [p for p in plan if p["name"] in args.only]
+    if args.list:
+        for p in plan:
+            print(f"{p['name']:<24} {p['max_s']:>4} s  {' '.join(p['argv'][1:])}")
+        return
+    run_plan(plan, args.deadline, Path(args.json), Path(args.markdown))
+
+
+if __name__ == "__main__":
+    main()

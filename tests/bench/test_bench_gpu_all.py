@@ -1,0 +1,54 @@
+"""bench/bench_gpu_all.py (`make bench-gpu`): real subprocess parts under one deadline; a part that fails,
+hangs past its timeout or finds no time left is a row like the others, and every row is on disk."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "bench_gpu_all.py"
+
+
+def part(name, code, max_s=30):
+    return {"name": name, "argv": [sys.executable, "-c", code], "max_s": max_s}
+
+
+def test_parts_fail_hang_and_run_out_of_time_without_losing_a_row(tmp_path):
+    writes_a_row = "import sys, json; open(sys.argv[1], 'a').write(json.dumps({'step_ms': 57.4}) + '\\n'); print('3 passed')"
+    plan = [dict(part("ok", writes_a_row), argv=[sys.executable, "-c", writes_a_row, "{rows}"]),
+            part("fails", "raise SystemExit('boom')"),
+            part("hangs", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
+                          "time.sleep(300)']); time.sleep(300)", max_s=25),
+            part("late", "print('never')")]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    t0 = time.time()
+    # MIN_PART_S is 20: 50 s of deadline leave room for the three first parts (the hang cut at 25 s), not the last
+    done = subprocess.run([sys.executable, str(SCRIPT), "--plan", str(tmp_path / "plan.json"), "--deadline", "50",
+                           "--json", str(tmp_path / "parts.jsonl"), "--markdown", str(tmp_path / "table.md")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time.time() - t0 < 80  # the hanging part and its child were killed at their timeout
+    rows = [json.loads(line) for line in (tmp_path / "parts.jsonl").read_text().splitlines()]
+    assert [(r["part"], r["status"]) for r in rows] == [("ok", "ok"), ("fails", "failed"), ("hangs", "timeout"),
+                                                        ("late", "skipped")]
+    assert rows[0]["rows"] == [{"step_ms": 57.4}] and rows[1]["exit_code"] == 1 and "boom" in rows[1]["tail"]
+    assert 24 <= rows[2]["seconds"] < 35 and "deadline left" in rows[3]["why"]
+    assert all(r["commit"] and r["date"] for r in rows)
+    table = (tmp_path / "table.md").read_text()
+    assert "| ok | ok |" in table and "3 passed" in table and "| hangs | timeout |" in table
+    assert table in done.stdout
+
+
+def test_the_default_plan_names_every_gpu_part():
+    listed = subprocess.run([sys.executable, str(SCRIPT), "--list"], capture_output=True, text=True, timeout=60,
+                            check=True).stdout
+    names = [line.split()[0] for line in listed.splitlines()]
+    assert names[:2] == ["gpu-tests", "demo-gpu"] and "regen" in names and "head" in names
+    variants = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_gpu.py"), "--list"],
+                              capture_output=True, text=True, timeout=60, check=True).stdout
+    every = {line.split()[0] for line in variants.splitlines() if line.strip()}
+    assert {n.removeprefix("step:") for n in names if n.startswith("step:")} == every
+    refused = subprocess.run([sys.executable, str(SCRIPT), "--only", "nope"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--only nope: not a part" in refused.stderr

@@ -146,9 +146,10 @@ def test_prepare_warns_when_max_length_passes_the_target_context(tmp_path, smoll
     assert warnings == [f"warning: --max-length {context * 4} is above the target's context of {context} tokens "
                         f"(max_position_embeddings of {smollm2_path}); rows longer than {context} tokens would go past "
                         f"it. Pass --max-length {context} or less"]
-    quiet = run("dflash-train", "prepare", "--data", "chitchat", "--max-samples", "4", "--max-length", "256",
-                "--output", tmp_path / "rows2")
+    quiet = run("dflash-train", "prepare", "--data", "chitchat", "--max-samples", "4", "--max-turns", "1",
+                "--max-length", "1024", "--output", tmp_path / "rows2")  # within the context, no row cut
     assert quiet.returncode == 0 and "warning:" not in quiet.stderr
+    assert json.loads((tmp_path / "rows2" / "prepare_summary.json").read_text())["rows_truncated"] == 0
 
 
 def test_a_short_token_given_as_the_variable_name_is_never_printed(tmp_path):

@@ -33,7 +33,8 @@ def resolve_auto_dtypes(resolved: ResolvedRecipe, device=None) -> ResolvedRecipe
         for key in parents:
             node = node[key]
         if node[leaf] == "auto" and (path != "data.regenerate.dtype" or node["enabled"]):
-            node[leaf] = AUTO_PRECISION["CUDA" if why == "CUDA" else dtype] if leaf == "precision" else dtype
+            cuda = str(device).startswith("cuda")
+            node[leaf] = AUTO_PRECISION["CUDA" if cuda else dtype] if leaf == "precision" else dtype
             sources[path] = f"auto: {why}"
     return ResolvedRecipe(TrainRecipe.model_validate(data), sources)
 

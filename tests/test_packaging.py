@@ -1,6 +1,5 @@
 """The distribution installs the three import names and console scripts of this project."""
 
-import importlib
 import shutil
 import subprocess
 import sys
@@ -13,10 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name", ["dflash_train", "convert", "serve_shim", "dflash_train.model.formats"])
-def test_import_names_resolve_to_this_project(name):
-    # `convert` is a common name: make sure no other installed package shadows ours
-    module = importlib.import_module(name)
-    assert Path(module.__file__).resolve().is_relative_to(ROOT), module.__file__
+def test_import_names_resolve_to_this_project(name, tmp_path):
+    # `convert` is a common name: no other installed package shadows ours. Asked in a fresh interpreter
+    # outside the checkout: in this one, pytest's sys.path holds tests/unit, whose convert/ folder
+    # would answer as a namespace package when nothing imported the real one first
+    where = subprocess.run([sys.executable, "-c", f"import {name}; print({name}.__file__)"], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=120, check=True).stdout.strip()
+    assert Path(where).resolve().is_relative_to(ROOT), where
 
 
 def test_distribution_declares_packages_and_scripts():

@@ -356,20 +356,31 @@ def install_folder(tmp: Path, out: Path, *, replace_ok: bool) -> None:
 
 @contextmanager
 def signals_held():
-    """Hold SIGINT, SIGTERM and SIGHUP for a step that must not be cut in two; one that arrived meanwhile
-    is handled (errors.Stopped) as the block ends. Off the main thread, where Python runs no handler, a no-op."""
+    """Hold SIGINT, SIGTERM and SIGHUP for a step that must not be cut in two: one that arrives meanwhile is
+    noted, and its handler (errors.Stopped) runs as the block ends. Held at Python's level, not with a
+    signal mask: the kernel may hand a signal to any thread, but Python runs its handlers in the main
+    thread. Off the main thread, where no handler can be set, a no-op."""
     import signal
     import threading
 
-    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    caught: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for s in previous:
+        signal.signal(s, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), caught[0])  # the default action, now that the step is done
 
 
 @contextmanager

@@ -475,11 +475,16 @@ def test_a_signal_between_the_two_renames_of_a_replace_waits_for_the_second(tmp_
             os.kill(os.getpid(), signal.SIGINT)  # held: no handler runs before the second rename
 
     monkeypatch.setattr(outputs.os, "rename", rename)
+    import threading  # a thread that leaves signals unblocked: the kernel may hand it the SIGINT
+
+    idle = threading.Event()
+    threading.Thread(target=idle.wait, args=(5,), daemon=True).start()
     previous = signal.signal(signal.SIGINT, _stop)
     try:
         with pytest.raises(Stopped):
             outputs.install_folder(tmp, out, replace_ok=True)
     finally:
         signal.signal(signal.SIGINT, previous)
+        idle.set()
     assert seen[1] == "out" and (out / "a.txt").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old folder removed all the same

@@ -4,6 +4,9 @@ Every message names the file, field or flag at fault and says what to do. The CL
 these without a traceback and exit with code 2; anything else is a bug and keeps its trace.
 """
 
+import os
+from contextlib import contextmanager
+
 
 class DFlashError(Exception):
     """A user-facing error: bad input, a bad checkpoint, a missing optional dependency."""
@@ -112,3 +115,32 @@ def run_cli(app) -> None:
         print(f"error: the disk is full ({type(exc).__name__}: {str(exc)[:160]}); free some space and run the "
               "command again", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+@contextmanager
+def signals_held():
+    """Hold SIGINT, SIGTERM and SIGHUP for a step that must not be cut in two: one that arrives meanwhile is
+    noted, and its handler (errors.Stopped) runs as the block ends. Held at Python's level, not with a
+    signal mask: the kernel may hand a signal to any thread, but Python runs its handlers in the main
+    thread. Off the main thread, where no handler can be set, a no-op."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for s in previous:
+        signal.signal(s, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), caught[0])  # the default action, now that the step is done

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_train.errors import OutputError, is_disk_full
+from dflash_train.errors import OutputError, is_disk_full, signals_held
 
 MARKER = ".dflash-output.json"
 STAMP_KEY = "dflash_output"  # the stamp inside JSON files the toolkit writes
@@ -352,35 +352,6 @@ def install_folder(tmp: Path, out: Path, *, replace_ok: bool) -> None:
     finally:  # also when a signal held meanwhile is raised as the block ends
         if not old.exists() or out.exists():
             shutil.rmtree(old, ignore_errors=True)
-
-
-@contextmanager
-def signals_held():
-    """Hold SIGINT, SIGTERM and SIGHUP for a step that must not be cut in two: one that arrives meanwhile is
-    noted, and its handler (errors.Stopped) runs as the block ends. Held at Python's level, not with a
-    signal mask: the kernel may hand a signal to any thread, but Python runs its handlers in the main
-    thread. Off the main thread, where no handler can be set, a no-op."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    for s in previous:
-        signal.signal(s, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if caught:
-            handler = previous[caught[0]]
-            if callable(handler):
-                handler(caught[0], None)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), caught[0])  # the default action, now that the step is done
 
 
 @contextmanager

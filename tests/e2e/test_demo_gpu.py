@@ -17,8 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_gpu_command_runs_every_stage_on_cpu(tmp_path):
-    make = subprocess.run(["make", "-n", "demo-gpu"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    line = " ".join(make.replace("\\\n", " ").split("\n")[-2].split())  # the recipe's command, as make runs it
+    # the recipe's command, as make runs it (under CI's own make, make -n also prints "make[1]: ..." lines)
+    make = subprocess.run(["make", "-n", "--no-print-directory", "demo-gpu"], capture_output=True, text=True,
+                          cwd=ROOT, check=True).stdout
+    lines = [" ".join(x.split()) for x in make.replace("\\\n", " ").splitlines() if "dflash-train demo" in x]
+    assert len(lines) == 1, make
+    line = lines[0]
     assert "dflash-train demo --config recipes/smollm2-135m-demo-gpu.yaml --output runs/demo-gpu" in line
     args = line.split("dflash-train", 1)[1].split()
     args[args.index("--output") + 1] = str(tmp_path / "demo-gpu")

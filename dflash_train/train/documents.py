@@ -2,7 +2,8 @@
 
 1. Prepared rows: an existing folder (`data.prepared`), or the data stage's prepare (and
    regenerate) run once and cached under `$DFLASH_CACHE/data/<key>/`.
-2. A deterministic held-out split of those rows (`data.holdout_fraction`); the rows a periodic
+2. A deterministic held-out split of those rows (`data.holdout_fraction`, seeded by `data.split_seed`,
+   not by the run's `seed`: runs of several seeds are measured on the same rows); the rows a periodic
    check reads are taken round-robin over a mixture's sources, so every source counts.
 3. Documents with context features and greedy tokens: `online` (target forward every time),
    `memory` (computed once per row, kept in RAM) or `offline` (the data stage's feature cache).
@@ -33,7 +34,7 @@ def _key(obj) -> str:
 
 
 def data_cache_root(data: DataConfig, target_path: str) -> Path:
-    ident = {"target": target_path, **data.model_dump(mode="json", exclude={"features", "holdout_fraction",
+    ident = {"target": target_path, **data.model_dump(mode="json", exclude={"features", "holdout_fraction", "split_seed",
                                                                              "cache_dir", "feature_cache",
                                                                              "train_fraction", "target_dtype"}),
              "regenerate": data.regenerate.cache_inputs()}

@@ -75,6 +75,23 @@ def test_run_folder_layout(reference_run):
 
 
 @pytest.mark.slow
+def test_the_held_out_rows_follow_the_split_seed_not_the_run_seed(reference_run, tmp_path):
+    """Runs that differ in `seed` alone are measured on the same held-out rows (a spread across seeds is the
+    seed's own); data.split_seed picks another split. The rows trained on follow the split too."""
+    recipe, ref = reference_run
+    held = json.loads((ref / "holdout_rows.json").read_text())["rows"]
+    runs = {}
+    for name, sets in (("seed1", ["seed=1"]), ("split1", ["data.split_seed=1"])):
+        out = tmp_path / name
+        res = _train(["--config", recipe, "--output", out, "--max-steps", "1", *[a for s in sets for a in ("--set", s)]])
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[name] = json.loads((out / "holdout_rows.json").read_text())["rows"]
+        assert len(runs[name]) == len(held)
+    assert runs["seed1"] == held
+    assert runs["split1"] != held
+
+
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(reference_run, tmp_path):
     recipe, ref = reference_run
     out = tmp_path / "killed"
@@ -358,7 +375,7 @@ def test_a_whole_run_with_its_checks_needs_few_flex_compiles(train_tiny_target, 
     target, _ = load_target(str(train_tiny_target), dtype=torch.float32, device="cpu")
     rows = load_rows(train_prepared)
     labels = list(rows["source"]) if "source" in rows.column_names else None
-    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.seed)
+    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.data.split_seed)
     source = DocumentSource(rows, "memory", target, [1, 3], target_hidden=64)
     world = World(0, 1, 0, torch.device("cpu"))
     plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, 1)

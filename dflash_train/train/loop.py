@@ -369,7 +369,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             if done % recipe.logging.log_every == 0 or done == plan.total:
                 flush()
                 summary, lr = window.summary(), scheduler.get_last_lr()[0]
-                progress.show(summary, lr, state["positions"])
+                progress.show(summary, lr, state["positions"], fit=log.last("fit"), val=log.last("val"))
                 log.record(done, "train", summary, {"lr": lr, "tokens": state["tokens"],
                                                     "time_s": round(time.time() - t_loop, 3)})
                 window = BlockStats.zeros(recipe.drafter.block_size, world.device)

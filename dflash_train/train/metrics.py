@@ -67,15 +67,18 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
 
-    def show(self, stats: dict, lr: float, positions: int) -> None:
-        """stats: a BlockStats summary; positions: trained positions of the run so far."""
+    def show(self, stats: dict, lr: float, positions: int, fit: dict | None = None, val: dict | None = None) -> None:
+        """stats: a BlockStats summary; positions: trained positions of the run so far; fit, val: the last
+        check's entries (a block at every position of training and of held-out rows), shown beside the
+        step's own `tau` (its sampled blocks), which reads above them (docs/training.md, "Reading the metrics")."""
         if self.positions0 is None:  # the rate counts this session's positions only (resumed runs)
             self.positions0 = positions - stats["positions"]
         if self.bar is None:
             return
         rate = (positions - self.positions0) / max(1e-9, time.time() - self.t0)
-        self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['accept_len']:.2f}", lr=f"{lr:.2e}",
-                             pos_s=f"{rate:.0f}", refresh=True)
+        checks = {name: f"{entry['accept_len']:.2f}" for name, entry in (("fit", fit), ("val", val)) if entry}
+        self.bar.set_postfix({"loss": f"{stats['loss']:.3f}", "tau": f"{stats['accept_len']:.2f}", **checks,
+                              "lr": f"{lr:.2e}", "pos_s": f"{rate:.0f}"}, refresh=True)  # in this order
 
     def close(self) -> None:
         if self.bar is not None:

@@ -337,15 +337,17 @@ def sweep(output: Path = typer.Option(..., "--output", help="Sweep folder: one r
                                              "'NAME: key=value key=value' (repeatable)."),
           fractions: str = typer.Option("1", "--fractions", help="Shares of the training rows to train on, e.g. "
                                         "0.25,0.5,1 (a curve of tau against data)."),
+          seeds: Optional[str] = typer.Option(None, "--seeds", help="Train every setting once per seed, e.g. 0,1,2; "
+                                              "the table adds each setting's mean and spread over them."),
           num_prompts: int = typer.Option(24, "--num-prompts", help="Held-out prompts per eval (alternating sources)."),
           max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per eval prompt.")) -> None:
     """Train a recipe under several settings and data sizes; table of held-out tau per source."""
     from dflash_train.output_lock import output_lock
-    from dflash_train.sweep import markdown_table, parse_fractions, parse_variant, run_sweep
+    from dflash_train.sweep import markdown_table, parse_fractions, parse_seeds, parse_variant, run_sweep
 
+    parsed = [parse_variant(v) for v in variants], parse_fractions(fractions), parse_seeds(seeds)  # before any write
     with output_lock(output, "--output", "sweep"):
-        result = run_sweep(output, config, overrides, [parse_variant(v) for v in variants],
-                           parse_fractions(fractions), num_prompts, max_new_tokens)
+        result = run_sweep(output, config, overrides, parsed[0], parsed[1], num_prompts, max_new_tokens, parsed[2])
     typer.echo(markdown_table(result), nl=False)
     typer.echo(f"wrote {output / 'sweep.json'}, {output / 'sweep.md'}")
 

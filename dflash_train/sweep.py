@@ -1,7 +1,7 @@
 """`dflash-train sweep`: one recipe trained under several settings and data sizes, each run
 evaluated on the same held-out prompts, with held-out tau per prompt source in one table.
 
-Runs are variants x fractions. A variant is a name and `--set` overrides (`baseline`, without
+Runs are variants x fractions (x seeds, with `--seeds`). A variant is a name and `--set` overrides (`baseline`, without
 overrides, comes first); a fraction trains on that share of the training rows
 (`data.train_fraction`, nested and in each source's proportion). The held-out rows, the prepared
 and regenerated rows and the offline feature cache are shared by every run, so a run costs its
@@ -9,6 +9,11 @@ training and its eval only. Each run is `dflash-train train` then `dflash-train 
 in a subprocess, into `OUT/<variant>-f<fraction>/` (its eval report beside it, `.eval.json`); a finished run is skipped, so an interrupted
 sweep resumes. Writes `OUT/sweep.json`, `OUT/sweep.md` (the table) and `OUT/sweep.png` (tau
 against training rows, per source and variant).
+
+`--seeds 0,1,2` trains every run once per seed (`seed`, which draws the initialisation, the anchors and
+the row order; the held-out rows follow `data.split_seed` and stay the same), into
+`OUT/<variant>-f<fraction>-s<seed>/`, and the table adds the mean and the spread (lowest to highest) of
+each setting across its seeds: a difference between settings smaller than that spread is not one.
 """
 
 from __future__ import annotations
@@ -54,8 +59,21 @@ def parse_fractions(text: str) -> list[float]:
     return sorted(set(values))
 
 
-def run_folder(out: Path, variant: Variant, fraction: float) -> Path:
-    return out / f"{variant.name}-f{fraction:g}"
+def parse_seeds(text: str | None) -> list[int] | None:
+    """`--seeds 0,1,2` -> [0, 1, 2] (None: the recipe's one seed, and run folders without a seed suffix)."""
+    if text is None:
+        return None
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: give comma-separated whole numbers >= 0, e.g. 0,1,2") from None
+    if not values or any(v < 0 for v in values) or len(set(values)) < len(values):
+        raise ConfigError(f"--seeds {text!r}: give distinct whole numbers >= 0, e.g. 0,1,2")
+    return values
+
+
+def run_folder(out: Path, variant: Variant, fraction: float, seed: int | None = None) -> Path:
+    return out / (f"{variant.name}-f{fraction:g}" + ("" if seed is None else f"-s{seed}"))
 
 
 def eval_path(run: Path) -> Path:
@@ -64,11 +82,14 @@ def eval_path(run: Path) -> Path:
 
 
 def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant, fraction: float,
-                 num_prompts: int, max_new_tokens: int, target: str | None = None) -> list[Stage]:
-    """`target`: the recipe's target (eval's `--target`; None: the embedded default)."""
-    run = run_folder(out, variant, fraction)
+                 num_prompts: int, max_new_tokens: int, target: str | None = None,
+                 seed: int | None = None) -> list[Stage]:
+    """`target`: the recipe's target (eval's `--target`; None: the embedded default); `seed`: the run's
+    `seed` (None: the recipe's)."""
+    run = run_folder(out, variant, fraction, seed)
+    seeded = () if seed is None else (f"seed={seed}",)
     sets = [a for o in ("data.features=offline", "eval.enabled=false", *overrides, *variant.overrides,
-                        f"data.train_fraction={fraction:g}") for a in ("--set", o)]
+                        f"data.train_fraction={fraction:g}", *seeded) for a in ("--set", o)]
     return [
         Stage("train", [command_path("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
                         *sets, "--resume", "auto"], done=run / "summary.json"),
@@ -79,12 +100,12 @@ def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant
     ]
 
 
-def run_result(run: Path, variant: Variant, fraction: float, seconds: dict) -> dict:
+def run_result(run: Path, variant: Variant, fraction: float, seconds: dict, seed: int | None = None) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     report = json.loads(eval_path(run).read_text())
     tf = report.get("teacher_forced") or {}
     return {
-        "variant": variant.name, "overrides": list(variant.overrides), "fraction": fraction,
+        "variant": variant.name, "overrides": list(variant.overrides), "fraction": fraction, "seed": seed,
         "train_rows": summary.get("train_rows"), "steps": summary.get("steps"),
         "val_accept_len": summary.get("val_accept_len"),
         "val_accept_len_by_source": summary.get("val_accept_len_by_source") or {},
@@ -102,7 +123,7 @@ def run_result(run: Path, variant: Variant, fraction: float, seconds: dict) -> d
 
 def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list[str] | None = None,
               variants: list[Variant] | None = None, fractions: list[float] | None = None,
-              num_prompts: int = 24, max_new_tokens: int = 64) -> dict:
+              num_prompts: int = 24, max_new_tokens: int = 64, seeds: list[int] | None = None) -> dict:
     """Every run (skipping finished ones), then the table; returns what `OUT/sweep.json` holds."""
     from dflash_train.demo import DEMO_RECIPE
     from dflash_train.outputs import ensure_folder, folder_stamp, plan_output
@@ -116,6 +137,10 @@ def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list
     if len(set(names)) < len(names):
         raise ConfigError(f"--variant: two variants are named {sorted(n for n in names if names.count(n) > 1)[0]!r}")
     fractions = fractions or [1.0]
+    seeded = [v.name for v in variants if any(o.split("=", 1)[0].strip() == "seed" for o in v.overrides)]
+    if seeds is not None and (seeded or any(o.split("=", 1)[0].strip() == "seed" for o in overrides or [])):
+        raise ConfigError(f"--seeds sets every run's seed; drop `seed=` from --set / --variant "
+                          f"{seeded[0] if seeded else ''}".rstrip())
     from dflash_train.train.recipe import load_recipe
 
     # every run's recipe is checked before the first one trains (a typo fails now, not an hour in)
@@ -126,16 +151,17 @@ def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list
     with open(out / "sweep.log", "a") as log:
         for variant in variants:
             for fraction in fractions:
-                stages = sweep_stages(out, recipe, overrides or [], variant, fraction, num_prompts, max_new_tokens,
-                                      targets[variant.name])
-                tag = f"[{variant.name} x{fraction:g}]"
-                for stage in stages:
-                    run_stage(stage, log, prefix=tag)
-                run = run_folder(out, variant, fraction)
-                results.append(run_result(run, variant, fraction, {s.name: s.seconds for s in stages}))
+                for seed in seeds or [None]:
+                    stages = sweep_stages(out, recipe, overrides or [], variant, fraction, num_prompts,
+                                          max_new_tokens, targets[variant.name], seed)
+                    tag = f"[{variant.name} x{fraction:g}" + ("" if seed is None else f" seed {seed}") + "]"
+                    for stage in stages:
+                        run_stage(stage, log, prefix=tag)
+                    run = run_folder(out, variant, fraction, seed)
+                    results.append(run_result(run, variant, fraction, {s.name: s.seconds for s in stages}, seed))
     from dflash_train.machine import machine_facts
 
-    sweep = {"recipe": str(recipe), "overrides": overrides or [], "num_prompts": num_prompts,
+    sweep = {"recipe": str(recipe), "overrides": overrides or [], "seeds": seeds, "num_prompts": num_prompts,
              "max_new_tokens": max_new_tokens, "runs": results, "machine": machine_facts()}
     write_outputs(out, sweep)
     return sweep
@@ -145,7 +171,32 @@ def sources_of(results: list[dict]) -> list[str]:
     return sorted({s for r in results for s in r["tau_by_source"]})
 
 
+def _mean_and_range(values: list[float]) -> dict:
+    return {"mean": sum(values) / len(values), "lo": min(values), "hi": max(values)}
+
+
+def across_seeds(results: list[dict]) -> list[dict]:
+    """One entry per setting (variant and fraction): tau, per source, over its seeds (mean, lowest, highest)."""
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["variant"], r["fraction"]), []).append(r)
+    rows = []
+    for (variant, fraction), runs in groups.items():
+        sources = sources_of(runs)
+        rows.append({"variant": variant, "fraction": fraction, "train_rows": runs[0]["train_rows"],
+                     "seeds": [r.get("seed") for r in runs], "tau": _mean_and_range([r["tau"] for r in runs]),
+                     "tau_by_source": {s: _mean_and_range([r["tau_by_source"][s] for r in runs
+                                                           if s in r["tau_by_source"]]) for s in sources},
+                     "train_seconds": sum(r["train_seconds"] or 0 for r in runs) / len(runs)})
+    return rows
+
+
+def _setting(r: dict) -> str:
+    return r["variant"] + ("" if r["fraction"] == 1 else f" ({r['fraction']:g} of the rows)")
+
+
 def markdown_table(sweep: dict) -> str:
+    """One row per run; with several seeds, a second table of each setting's mean and spread over its seeds."""
     results = sweep["runs"]
     sources = sources_of(results)
     head = ["setting", "overrides", "train rows", "steps", "train min", "val accept len",
@@ -157,11 +208,23 @@ def markdown_table(sweep: dict) -> str:
 
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        name = r["variant"] + ("" if r["fraction"] == 1 else f" ({r['fraction']:g} of the rows)")
+        name = _setting(r) + ("" if r.get("seed") is None else f", seed {r['seed']}")
         cells = [name, " ".join(f"`{o}`" for o in r["overrides"]) or "-", str(r["train_rows"]), str(r["steps"]),
                  num(r["train_seconds"] and r["train_seconds"] / 60, "{:.1f}"), num(r["val_accept_len"]),
                  num(r.get("fit_accept_len")), num(r["tau"]), *[num(r["tau_by_source"].get(s)) for s in sources]]
         lines.append("| " + " | ".join(cells) + " |")
+    if not any(r.get("seed") is not None for r in results):
+        return "\n".join(lines) + "\n"
+
+    def spread(m: dict | None) -> str:
+        return "-" if not m else f"{m['mean']:.3f} ({m['lo']:.3f}-{m['hi']:.3f})"
+
+    lines += ["", "Across seeds: mean (lowest-highest).", "",
+              "| setting | seeds | train min | tau (all) | " + " | ".join(f"tau {s}" for s in sources) + " |",
+              "|" + "---|" * (4 + len(sources))]
+    for g in across_seeds(results):
+        lines.append(f"| {_setting(g)} | {', '.join(str(x) for x in g['seeds'])} | {g['train_seconds'] / 60:.1f} | "
+                     f"{spread(g['tau'])} | " + " | ".join(spread(g["tau_by_source"].get(s)) for s in sources) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -183,14 +246,15 @@ def plot_curves(sweep: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = sweep["runs"]
+    results = across_seeds(sweep["runs"])  # a setting's mean over its seeds (one run without --seeds)
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in dict.fromkeys(r["variant"] for r in results):
         runs = sorted((r for r in results if r["variant"] == variant), key=lambda r: r["train_rows"])
         xs = [r["train_rows"] for r in runs]
-        ax.plot(xs, [r["tau"] for r in runs], marker="o", label=f"{variant}: all prompts")
-        for s in sources_of(runs):
-            ax.plot(xs, [r["tau_by_source"].get(s) for r in runs], marker=".", linestyle="--", label=f"{variant}: {s}")
+        ax.plot(xs, [r["tau"]["mean"] for r in runs], marker="o", label=f"{variant}: all prompts")
+        for s in sorted({s for r in runs for s in r["tau_by_source"]}):
+            ax.plot(xs, [r["tau_by_source"][s]["mean"] if s in r["tau_by_source"] else None for r in runs],
+                    marker=".", linestyle="--", label=f"{variant}: {s}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("training rows")
     ax.set_ylabel("held-out tau (tokens per target forward)")

@@ -120,3 +120,58 @@ def test_the_table_has_a_column_per_source(tmp_path):
     write_outputs(tmp_path, sweep)
     assert json.loads((tmp_path / "sweep.json").read_text()) == sweep
     assert (tmp_path / "sweep.md").read_text() == markdown_table(sweep) and (tmp_path / "sweep.png").is_file()
+
+
+def test_seeds_are_parsed_and_named():
+    from dflash_train.errors import ConfigError
+    from dflash_train.sweep import parse_seeds
+
+    assert parse_seeds(None) is None and parse_seeds("2, 0,1") == [2, 0, 1]
+    for text in ("", "a", "-1", "0,0", "1.5"):
+        with pytest.raises(ConfigError, match="--seeds"):
+            parse_seeds(text)
+
+
+def test_a_seeded_run_sets_its_seed_last_and_has_its_own_folder(tmp_path):
+    from dflash_train.sweep import Variant, eval_path, sweep_stages
+
+    train, ev = sweep_stages(tmp_path, Path("r.yaml"), [], Variant("g", ("objective.gamma=2",)), 1.0, 24, 64, seed=3)
+    run = tmp_path / "g-f1-s3"
+    assert train.argv[train.argv.index("--output") + 1] == str(run)
+    assert train.argv[-4:] == ["--set", "seed=3", "--resume", "auto"]
+    assert ev.done == eval_path(run) and ev.argv[ev.argv.index("--draft") + 1] == str(run)
+
+
+def test_a_variant_that_sets_the_seed_is_refused_with_seeds(tmp_path):
+    from dflash_train.errors import ConfigError
+    from dflash_train.sweep import Variant, run_sweep
+
+    with pytest.raises(ConfigError, match="--seeds sets every run's seed; drop `seed=` from --set / --variant s1"):
+        run_sweep(tmp_path / "out", None, [], [Variant("s1", ("seed=1",))], [1.0], seeds=[0, 1])
+    with pytest.raises(ConfigError, match="drop `seed=`"):
+        run_sweep(tmp_path / "out", None, ["seed=4"], [], [1.0], seeds=[0, 1])
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_the_table_reports_each_settings_mean_and_spread_over_seeds(tmp_path):
+    from dflash_train.sweep import across_seeds, markdown_table, write_outputs
+
+    def run(variant, seed, tau, chat, code, minutes):
+        return {"variant": variant, "overrides": [], "fraction": 1.0, "seed": seed, "train_rows": 100, "steps": 40,
+                "train_seconds": 60.0 * minutes, "val_accept_len": 2.0, "fit_accept_len": 2.1, "tau": tau,
+                "tau_by_source": {"chat": chat, "code": code}}
+
+    runs = [run("baseline", 0, 1.5, 1.75, 1.25, 10), run("baseline", 1, 1.6, 1.85, 1.35, 12),
+            run("g2", 0, 1.7, 2.0, 1.4, 11), run("g2", 1, 1.4, 1.6, 1.2, 11)]
+    groups = across_seeds(runs)
+    assert [g["variant"] for g in groups] == ["baseline", "g2"] and groups[0]["seeds"] == [0, 1]
+    assert groups[0]["tau"]["mean"] == pytest.approx(1.55) and groups[1]["tau"]["lo"] == 1.4
+    assert groups[1]["tau_by_source"]["chat"]["hi"] == 2.0 and groups[0]["train_seconds"] == pytest.approx(660)
+    lines = markdown_table({"runs": runs}).splitlines()
+    assert lines[2].startswith("| baseline, seed 0 | - | 100 |")
+    assert "| baseline | 0, 1 | 11.0 | 1.550 (1.500-1.600) | 1.800 (1.750-1.850) | 1.300 (1.250-1.350) |" in lines
+    assert "| g2 | 0, 1 | 11.0 | 1.550 (1.400-1.700) | 1.800 (1.600-2.000) | 1.300 (1.200-1.400) |" in lines
+    # one run per setting, no seeds: the table has no second part
+    assert "Across seeds" not in markdown_table({"runs": [{**runs[0], "seed": None}]})
+    write_outputs(tmp_path, {"runs": [*runs, *[{**r, "fraction": 0.5} for r in runs]]})
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000

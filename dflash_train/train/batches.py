@@ -32,7 +32,14 @@ from dflash_train.train.anchors import (
     sample_anchors,
     slot_weights,
 )
-from dflash_train.train.loss import BlockStats, block_stats, head_loss, topk_soft_targets
+from dflash_train.train.loss import (
+    BlockStats,
+    accepted_prefix_weights,
+    block_stats,
+    head_loss,
+    label_probs,
+    topk_soft_targets,
+)
 
 
 @dataclass
@@ -141,28 +148,33 @@ def full_head_weight(model: DFlashDraftModel):
 
 
 def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce", attention: str = "split",
-                    chunk: int | None = 1024, head: str = "eager") -> tuple[torch.Tensor, BlockStats]:
+                    chunk: int | None = 1024, head: str = "eager",
+                    prefix_weighting: bool = False) -> tuple[torch.Tensor, BlockStats]:
     """Unnormalised weighted loss sum of one micro-batch (differentiable) and its stats, both on the
     model's device; nothing is read back to the host. head: eager | compiled (the LM head's per-chunk
-    epilogue, train/head_epilogue.py)."""
+    epilogue, train/head_epilogue.py); prefix_weighting: see `microbatch_predictions`."""
     device = model.fc.weight.device
     if mb.anchors.numel() == 0:  # no supervised pair in these documents: a zero that still has a graph
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         return zero, BlockStats.zeros(model.config.block_size, device)
     index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)  # host nonzero: no device sync
     loss_sum, preds = microbatch_predictions(model, mb, index, loss=loss, attention=attention, chunk=chunk,
-                                             head=head)
+                                             head=head, prefix_weighting=prefix_weighting)
     return loss_sum, block_stats(loss_sum, to_device(mb.labels, device), to_device(mb.weights, device), preds, index,
                                  to_device(mb.block_weight, device))
 
 
 def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch.Tensor | None = None, *,
                            loss: str = "ce", attention: str = "split",
-                           chunk: int | None = 1024, head: str = "eager") -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk: int | None = 1024, head: str = "eager",
+                           prefix_weighting: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The training forward of a micro-batch with at least one anchor: (weighted loss sum, the
     drafter's argmax as target ids [M] at the labelled slots, row-major, on the model's device).
     Blocks are as wide as `mb.labels` (at most the drafter's block size). `index` [M]: the flat
-    positions of the labelled slots (found on the host when not given)."""
+    positions of the labelled slots (found on the host when not given). prefix_weighting
+    (`objective.prefix_weighting`): each slot's weight is also scaled by the drafter's own chance (no
+    gradient) that the slots before it in its block are all right, the chance serving reaches it; one
+    more head forward (`loss.label_probs`)."""
     device = model.fc.weight.device
     if index is None:
         index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)
@@ -182,6 +194,10 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
         tids, p, keep = topk_soft_targets(model.target_to_draft(ids.long()), logp, labels)
         target = (tids, p)
     with full_head_weight(model) as weight:
-        loss_sum, preds = head_loss(hidden.flatten(0, 1).index_select(0, index), weight, labels.clamp(min=0),
-                                    w * keep, kind=loss, target=target, chunk=chunk, compiled=head == "compiled")
+        rows = hidden.flatten(0, 1).index_select(0, index)
+        if prefix_weighting:  # a label outside a reduced vocabulary is never drafted: probability 0
+            probs = label_probs(rows, weight, labels.clamp(min=0), chunk) * keep
+            w = w * accepted_prefix_weights(probs, index, tuple(mb.labels.shape))
+        loss_sum, preds = head_loss(rows, weight, labels.clamp(min=0), w * keep, kind=loss, target=target,
+                                    chunk=chunk, compiled=head == "compiled")
     return loss_sum, model.draft_to_target(preds)

@@ -174,6 +174,36 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
         return _FusedHeadLoss.apply(hidden, weight, labels, weights, ids, p, chunk, kind, compiled)
 
 
+@torch.no_grad()
+def label_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = 1024) -> torch.Tensor:
+    """[M] fp32: the head's probability of each label (no gradient), `chunk` positions at a time, in the
+    head's matmul dtype as `head_loss` computes it (under autocast too)."""
+    device = hidden.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    if autocast:
+        hidden = hidden.to(torch.get_autocast_dtype(device))
+    mm_dtype = head_matmul_dtype(hidden.dtype, weight.dtype, device)
+    w = weight.to(mm_dtype)
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    chunk = hidden.shape[0] if not chunk else int(chunk)
+    with torch.autocast(device, enabled=False) if autocast else nullcontext():
+        for s in range(0, hidden.shape[0], chunk):
+            logits = _mm(hidden[s:s + chunk].to(mm_dtype), w.t())
+            out[s:s + chunk] = (logits.gather(1, labels[s:s + chunk, None]).squeeze(1) - logits.logsumexp(-1)).exp()
+    return out
+
+
+def accepted_prefix_weights(probs: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """[M]: for each labelled slot (flat positions `index` of [N, B] blocks), the product of `probs` over
+    the labelled slots before it in its block, i.e. the drafter's own chance (no gradient) that greedy
+    verification reaches that slot. Slots without a label pass (slot 0: the anchor, which is always kept)."""
+    full = torch.ones(shape[0] * shape[1], dtype=torch.float32, device=probs.device)
+    full[index] = probs.float()
+    blocks = full.view(shape)
+    exclusive = torch.cat([torch.ones_like(blocks[:, :1]), torch.cumprod(blocks, dim=1)[:, :-1]], dim=1)
+    return exclusive.flatten().index_select(0, index)
+
+
 def topk_soft_targets(draft_ids: torch.Tensor, logp: torch.Tensor,
                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kl loss's teacher per position: (ids [M, k] long, p [M, k] fp32, scored [M] bool).

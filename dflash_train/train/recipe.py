@@ -155,6 +155,10 @@ class ObjectiveConfig(_Section):
     # {fraction: 0.15, min: 4, max: 48}; null: anchors_per_document decides (when set, it is not used)
     anchor_density: AnchorDensity | None = None
     gamma: float | None = Field(None, gt=0)  # default: by block size (see anchors.gamma_for_block_size)
+    # also scale slot k's weight by the drafter's own chance (no gradient) that slots 1..k-1 of its block are
+    # right: what greedy verification needs to reach slot k. One more LM-head forward a step. The check's loss
+    # (val/, fit/) stays the plain weighted loss, so it compares across settings
+    prefix_weighting: bool = False
     # auto: compiled flex attention on a CUDA GPU, split on CPU; flex needs CUDA; dense is the reference
     attention: Literal["auto", "split", "dense", "flex"] = "auto"
     # positions per LM-head chunk; auto: 1024 on CPU, by vocabulary size on a GPU (train/loss.py)

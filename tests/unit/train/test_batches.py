@@ -388,3 +388,48 @@ def test_a_trained_reduced_head_under_zero3_is_refused_by_the_recipe():
     with pytest.raises(ConfigError, match="train_lm_head.*zero_stage 2"):
         load_recipe(None, base={"data": {"prepared": "rows"}, "engine": {"zero_stage": 3},
                                 "drafter": {"draft_vocab_size": 64, "train_lm_head": True}})
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_prefix_weighting_scales_each_slot_by_the_drafters_chance_of_reaching_it(autocast):
+    """objective.prefix_weighting equals the plain loss with each slot's weight times the product, over the
+    slots before it in its block, of the drafter's probability of their labels (no gradient through it)."""
+    import dataclasses
+    from contextlib import nullcontext
+
+    from dflash_train.train.batches import head_weight
+
+    model = tiny_model(block_size=4, layers=1)
+    docs = random_docs([20, 31, 12])
+    mb = build_microbatch(docs, [0, 1, 2], block_size=4, anchors_per_document=6, labels="greedy", seed=0, epoch=0)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext()
+
+    def run(batch, prefix):
+        model.zero_grad()
+        with amp:
+            loss, _ = microbatch_loss(model, batch, chunk=7, prefix_weighting=prefix)
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    # the reference: every block's label probabilities from one plain forward, products taken slot by slot
+    with torch.no_grad(), amp:
+        first = mb.packed.input_ids[mb.anchors]
+        embeds = model.embed(model.block_ids(first)[:, : mb.labels.shape[1]])
+        hidden = model.forward_train(mb.packed.features, embeds, mb.layout, attention="split")
+        probs = torch.softmax((hidden.float() @ head_weight(model).float().t()), -1)
+    scale = torch.ones_like(mb.weights)
+    for n in range(mb.labels.shape[0]):
+        reach = 1.0
+        for k in range(mb.labels.shape[1]):
+            scale[n, k] = reach
+            if mb.labels[n, k] != IGNORE:
+                reach *= float(probs[n, k, mb.labels[n, k]])
+    assert 0 < float(scale[:, 2:][mb.valid[:, 2:]].max()) < 1 and torch.all(scale[:, :2] == 1)
+    weighted = dataclasses.replace(mb, weights=mb.weights * scale)
+    loss_p, grads_p = run(mb, True)
+    loss_r, grads_r = run(weighted, False)
+    loss_0, _ = run(mb, False)
+    tol = 2e-2 if autocast else 1e-5
+    assert loss_p == pytest.approx(loss_r, rel=tol) and loss_p < loss_0 * 0.9
+    for name in grads_r:
+        assert torch.allclose(grads_p[name], grads_r[name], rtol=tol, atol=tol * float(grads_r[name].abs().max())), name

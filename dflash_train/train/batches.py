@@ -71,7 +71,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
                      anchors: list[torch.Tensor] | None = None, pin_memory: bool = False,
                      anchor_density: tuple[float, int, int | None] | None = None,
-                     context_pad: int | None = None) -> MicroBatch:
+                     context_pad: int | None = None, row_weight: dict[int, float] | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     Documents that carry the target's top-k (kl loss) give the micro-batch the top-k of the
@@ -82,6 +82,8 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     `anchors_per_document` (anchors.anchor_budget).
     pin_memory: host features are packed into pinned memory (for a non-blocking copy to a GPU).
     context_pad: the run's micro-batch token budget; compiled flex pads every context to it (one shape).
+    row_weight: per prepared row, a factor on its sampled blocks' `block_weight` (a mixture's sources
+    weighed as the check weighs them: documents.source_balance); the loss is unchanged.
     """
     packed = pack_documents(docs, pin_memory=pin_memory)
     starts = [0]
@@ -94,7 +96,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
             a = sample_anchors(d.loss_mask, anchor_budget(n, anchors_per_document, anchor_density),
                                anchor_generator(seed, epoch, row))
             anchors.append(a)
-            doc_weight.append(n / max(1, a.numel()))
+            doc_weight.append(n / max(1, a.numel()) * (row_weight[row] if row_weight else 1.0))
     else:  # given positions count once each
         doc_weight = [1.0] * len(anchors)
     block_weight = torch.cat([torch.full((a.numel(),), w, dtype=torch.float32)

@@ -149,6 +149,18 @@ def validation_rows(held: list[int], labels: list[str] | None, count: int) -> li
     return order[:count]
 
 
+def source_balance(rows: list[int], labels: list[str] | None) -> dict[int, float] | None:
+    """Per training row of a mixture, rows / (sources x rows of its source): what makes the step's acceptance
+    length weigh the sources as the check does, whose rows take the sources in turn (`validation_rows`,
+    `fit_rows`): every source by as many rows, each row by its positions. None without a mixture."""
+    if not labels:
+        return None
+    counts: dict[str, int] = {}
+    for i in rows:
+        counts[labels[i]] = counts.get(labels[i], 0) + 1
+    return {i: len(rows) / (len(counts) * counts[labels[i]]) for i in rows}
+
+
 def fit_rows(train_rows: list[int], labels: list[str] | None, count: int, seed: int) -> list[int]:
     """`count` training rows for the check's like-for-like training numbers: a seeded random draw,
     the sources taking turns as in `validation_rows`."""

@@ -38,6 +38,7 @@ from dflash_train.train.documents import (
     load_rows,
     offline_cache,
     prepared_rows,
+    source_balance,
     validation_rows,
 )
 from dflash_train.train.engine import (
@@ -59,8 +60,10 @@ from dflash_train.train.run_folder import RESUME_MODES, check_output, finished_s
 class StepPlan:
     """Which prepared rows every (global step, micro-batch, rank) trains on; epochs re-shuffled."""
 
-    def __init__(self, rows: list[int], lengths: list[int], recipe: TrainRecipe, world: int):
+    def __init__(self, rows: list[int], lengths: list[int], recipe: TrainRecipe, world: int,
+                 row_weight: dict[int, float] | None = None):
         self.rows, self.lengths = rows, lengths
+        self.row_weight = row_weight  # the step's acceptance length weighs a mixture's sources as the check does
         self.budget, self.seed = recipe.batch.tokens_per_microbatch, recipe.seed
         self.group = recipe.batch.grad_accum * world
         self._bins: dict[int, list[list[int]]] = {}
@@ -95,7 +98,7 @@ class StepPlan:
 
 
 def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], epoch: int, device: torch.device,
-                every_anchor: bool = False):
+                every_anchor: bool = False, row_weight: dict[int, float] | None = None):
     """A micro-batch of `rows`: blocks at sampled anchors (`objective.anchors_per_document` or
     `objective.anchor_density`, resampled each epoch), or with `every_anchor` at every candidate position
     (the held-out check)."""
@@ -105,7 +108,7 @@ def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], ep
                             anchors_per_document=o.anchors_per_document, labels=o.labels, seed=recipe.seed,
                             anchor_density=o.anchor_density.as_tuple() if o.anchor_density else None,
                             epoch=epoch, gamma=o.gamma, pin_memory=device.type == "cuda",
-                            context_pad=recipe.batch.tokens_per_microbatch,
+                            context_pad=recipe.batch.tokens_per_microbatch, row_weight=row_weight,
                             anchors=[anchor_candidates(d.loss_mask) for d in docs] if every_anchor else None)
 
 
@@ -114,7 +117,7 @@ def step_batches(recipe: TrainRecipe, source: DocumentSource, plan: StepPlan, wo
     mbs = []
     for micro in range(recipe.batch.grad_accum):
         epoch, rows = plan.rows_for(step, micro, world.rank, world.size)
-        mbs.append(_microbatch(recipe, source, rows, epoch, world.device))
+        mbs.append(_microbatch(recipe, source, rows, epoch, world.device, row_weight=plan.row_weight))
     return mbs
 
 
@@ -300,7 +303,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                               greedy=recipe.objective.labels == "greedy")
     source = DocumentSource(rows, recipe.data.features, target_model, drafter.config.target_layer_ids, cache,
                             topk=topk, target_hidden=target_model.config.get_text_config().hidden_size)
-    plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size)
+    plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size,
+                    source_balance(train_rows, labels))
     val_rows = validation_rows(held, labels, recipe.logging.eval_documents)
     fit_count = recipe.logging.eval_documents if recipe.logging.fit_documents is None else recipe.logging.fit_documents
     check_fit_rows = fit_rows(train_rows, labels, fit_count, recipe.data.split_seed) if val_rows else []

@@ -433,3 +433,25 @@ def test_prefix_weighting_scales_each_slot_by_the_drafters_chance_of_reaching_it
     assert loss_p == pytest.approx(loss_r, rel=tol) and loss_p < loss_0 * 0.9
     for name in grads_r:
         assert torch.allclose(grads_p[name], grads_r[name], rtol=tol, atol=tol * float(grads_r[name].abs().max())), name
+
+
+def test_row_weight_scales_the_blocks_acceptance_weight_not_the_loss():
+    model = tiny_model(layers=1)
+    docs = random_docs([20, 31])
+    kw = dict(block_size=4, anchors_per_document=5, labels="greedy", seed=0, epoch=0)
+    plain = build_microbatch(docs, [7, 9], **kw)
+    weighted = build_microbatch(docs, [7, 9], row_weight={7: 0.5, 9: 3.0}, **kw)
+    assert torch.equal(plain.anchors, weighted.anchors) and torch.equal(plain.weights, weighted.weights)
+    doc = plain.packed.doc_ids[plain.anchors]
+    assert torch.allclose(weighted.block_weight, plain.block_weight * torch.where(doc == 0, 0.5, 3.0))
+    a, sa = microbatch_loss(model, plain)
+    b, sb = microbatch_loss(model, weighted)
+    assert float(a) == float(b) and torch.equal(sa.accept_sum, sb.accept_sum)
+    # the per-position acceptance length: each block's length weighted by its (scaled) block weight
+    from dflash_train.train.loss import accept_lengths, slot_correct
+
+    _, preds = microbatch_predictions(model, plain)
+    lengths = accept_lengths(slot_correct(plain.labels, preds)).double()
+    expected = float((weighted.block_weight.double() * lengths).sum() / weighted.block_weight.double().sum())
+    assert sb.summary()["accept_len"] == pytest.approx(expected)
+    assert float(sb.block_weight) == pytest.approx(float(weighted.block_weight.sum()))

@@ -216,3 +216,15 @@ def test_the_check_on_training_rows_draws_each_source_in_turn_from_the_training_
     assert rows == fit_rows(train, labels, 8, seed=0) and rows != fit_rows(train, labels, 8, seed=1)
     assert fit_rows(train, labels, 0, seed=0) == []
     assert sorted(fit_rows(train, None, 1000, seed=0)) == train  # unlabelled: a shuffle of every row
+
+
+def test_source_balance_weighs_every_source_by_as_many_rows():
+    from dflash_train.train.documents import source_balance
+
+    labels = ["chat"] * 6 + ["code"] * 2 + ["held"]
+    weights = source_balance(list(range(8)), labels)
+    assert weights[0] == pytest.approx(8 / (2 * 6)) and weights[7] == pytest.approx(8 / (2 * 2))
+    # each source's rows add up to the same total, and the average row keeps weight 1
+    assert sum(weights[i] for i in range(6)) == pytest.approx(sum(weights[i] for i in (6, 7)))
+    assert sum(weights.values()) == pytest.approx(8) and 8 not in weights
+    assert source_balance([0, 1], None) is None

@@ -197,9 +197,15 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
         target = (tids, p)
     with full_head_weight(model) as weight:
         rows = hidden.flatten(0, 1).index_select(0, index)
+        reweight = None
         if prefix_weighting:  # a label outside a reduced vocabulary is never drafted: probability 0
-            probs = label_probs(rows, weight, labels.clamp(min=0), chunk) * keep
-            w = w * accepted_prefix_weights(probs, index, tuple(mb.labels.shape))
+            shape = tuple(mb.labels.shape)
+
+            def reweight(probs):
+                return accepted_prefix_weights(probs * keep, index, shape)
+
+            if loss != "ce" or weight.requires_grad:  # a separate pass for the probabilities
+                w, reweight = w * reweight(label_probs(rows, weight, labels.clamp(min=0), chunk)), None
         loss_sum, preds = head_loss(rows, weight, labels.clamp(min=0), w * keep, kind=loss, target=target,
-                                    chunk=chunk, compiled=head == "compiled")
+                                    chunk=chunk, compiled=head == "compiled", reweight=reweight)
     return loss_sum, model.draft_to_target(preds)

@@ -40,6 +40,7 @@ the sum of weights over the global batch. Statistics stay on the device of the l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
@@ -91,9 +92,12 @@ def head_matmul_dtype(hidden: torch.dtype, weight: torch.dtype, device_type: str
 
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, target_ids, target_p, chunk, kind, compiled):
+    def forward(ctx, hidden, weight, labels, weights, target_ids, target_p, chunk, kind, compiled, reweight):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # reweight (ce, frozen head): every row's weight is also scaled by reweight(p(label) of every row), known
+        # only after the last chunk; the rows' losses and gradients are kept unscaled until then
         m = hidden.shape[0]
+        row_loss = torch.empty(m, dtype=torch.float32, device=hidden.device) if reweight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = torch.empty(m, dtype=torch.long, device=hidden.device)
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
@@ -109,6 +113,8 @@ class _FusedHeadLoss(torch.autograd.Function):
             logits = _mm(h, w.t())
             wt = weights[s:e].float()
             lab = labels[s:e]
+            if reweight is not None:  # -log p(label), one more reduction over the chunk's logits
+                row_loss[s:e] = logits.logsumexp(-1) - logits.gather(1, lab[:, None]).squeeze(1)
             if kind == "ce":  # d = softmax; the grad is softmax - onehot, the onehot part taken below
                 part, preds[s:e], d = head_epilogue.ce(logits, lab, wt, grad_dtype, compiled)
             else:  # soft CE against p over its k ids, plus sum p log p (no grad): KL(p || q); see head_loss
@@ -130,6 +136,11 @@ class _FusedHeadLoss(torch.autograd.Function):
                 if kind == "ce":
                     grad_w.index_add_(0, lab, -hw.float() if half else -hw)
             del d
+        if reweight is not None:
+            factor = reweight(torch.exp(-row_loss))
+            total = (weights.float() * factor * row_loss).sum()
+            if grad_h is not None:
+                grad_h *= factor[:, None]
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
                               grad_w if grad_w is not None else torch.empty(0))
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -141,12 +152,13 @@ class _FusedHeadLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = (grad_h * g_total).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
         gw = (grad_w * g_total).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None
 
 
 def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
               kind: str = "ce", target: tuple[torch.Tensor, torch.Tensor] | None = None,
-              chunk: int | None = 1024, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              chunk: int | None = 1024, compiled: bool = False,
+              reweight: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted loss sum over M positions and the argmax predictions [M].
 
     hidden [M, H] post-norm; weight [V, H] LM head; labels [M] (draft ids); weights [M].
@@ -156,9 +168,14 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     zero outside its k ids, so it is >= 0 and its gradient is the soft cross-entropy's (the
     entropy term is a constant). With k = V and p the full softmax it is the full-vocabulary KL.
     compiled: each chunk's softmax, loss and argmax run as fused compiled kernels (head_epilogue).
+    reweight (ce with a frozen head): [M] probabilities of the labels -> [M] factors on `weights`, applied
+    (without a gradient through them) once every chunk is done: the same head pass, no second one.
     """
     if kind not in ("ce", "kl"):
         raise ValueError(f"loss {kind!r}: choose ce or kl")
+    if reweight is not None and (kind != "ce" or weight.requires_grad):
+        raise ValueError("head_loss(reweight=) takes the ce loss and a frozen head; weigh the rows beforehand "
+                         "(label_probs) otherwise")
     if kind == "kl" and target is None:
         raise ValueError("loss kl needs the target's top-k ids and probabilities")
     if hidden.shape[0] == 0:
@@ -171,7 +188,7 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     if autocast:  # bf16-mixed: the head is the half-precision path, run as written
         hidden = hidden.to(torch.get_autocast_dtype(device))
     with torch.autocast(device, enabled=False) if autocast else nullcontext():
-        return _FusedHeadLoss.apply(hidden, weight, labels, weights, ids, p, chunk, kind, compiled)
+        return _FusedHeadLoss.apply(hidden, weight, labels, weights, ids, p, chunk, kind, compiled, reweight)
 
 
 @torch.no_grad()

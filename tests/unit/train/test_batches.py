@@ -390,16 +390,18 @@ def test_a_trained_reduced_head_under_zero3_is_refused_by_the_recipe():
                                 "drafter": {"draft_vocab_size": 64, "train_lm_head": True}})
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_prefix_weighting_scales_each_slot_by_the_drafters_chance_of_reaching_it(autocast):
+@pytest.mark.parametrize("autocast,frozen_head", [(False, True), (True, True), (False, False)])
+def test_prefix_weighting_scales_each_slot_by_the_drafters_chance_of_reaching_it(autocast, frozen_head):
     """objective.prefix_weighting equals the plain loss with each slot's weight times the product, over the
-    slots before it in its block, of the drafter's probability of their labels (no gradient through it)."""
+    slots before it in its block, of the drafter's probability of their labels (no gradient through it):
+    in the head's one pass (a frozen head), and in a separate pass first (a trained head)."""
     import dataclasses
     from contextlib import nullcontext
 
     from dflash_train.train.batches import head_weight
 
     model = tiny_model(block_size=4, layers=1)
+    head_weight(model).requires_grad_(not frozen_head)
     docs = random_docs([20, 31, 12])
     mb = build_microbatch(docs, [0, 1, 2], block_size=4, anchors_per_document=6, labels="greedy", seed=0, epoch=0)
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext()
@@ -409,7 +411,10 @@ def test_prefix_weighting_scales_each_slot_by_the_drafters_chance_of_reaching_it
         with amp:
             loss, _ = microbatch_loss(model, batch, chunk=7, prefix_weighting=prefix)
         loss.backward()
-        return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if not frozen_head:
+            grads["head"], head_weight(model).grad = head_weight(model).grad.clone(), None
+        return float(loss.detach()), grads
 
     # the reference: every block's label probabilities from one plain forward, products taken slot by slot
     with torch.no_grad(), amp:

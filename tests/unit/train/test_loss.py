@@ -333,3 +333,15 @@ def test_a_one_hot_teacher_is_cross_entropy():
     kl, _ = head_loss(hidden, weight, labels, w, "kl", (ids, p), chunk=8)
     ce, _ = head_loss(hidden, weight, labels, w, "ce", chunk=8)
     torch.testing.assert_close(kl, ce, atol=1e-5, rtol=1e-6)
+
+
+def test_reweight_takes_the_ce_loss_and_a_frozen_head_only():
+    from dflash_train.train.loss import head_loss
+
+    h, w = torch.randn(6, 8), torch.randn(10, 8)
+    labels, weights = torch.randint(0, 10, (6,)), torch.ones(6)
+    with pytest.raises(ValueError, match="reweight=.*ce loss and a frozen head"):
+        head_loss(h, w.requires_grad_(True), labels, weights, reweight=lambda p: p)
+    loss, _ = head_loss(h, w.detach(), labels, weights, reweight=lambda p: p)  # weights times p(label)
+    p = torch.softmax(h @ w.detach().t(), -1).gather(1, labels[:, None]).squeeze(1)
+    assert float(loss) == pytest.approx(float((p * -p.log()).sum()), rel=1e-5)

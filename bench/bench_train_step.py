@@ -13,7 +13,10 @@ shape (B=8, 4K draft vocab, 448 anchors over the 1,024 tokens): fp32; bf16 (Deep
 weights themselves in bf16); bf16-mixed (fp32 weights, the forward under torch.autocast). It prints
 each one's step time against fp32 and its loss and gradient error against fp32.
 
-Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions]
+`--prefix` compares the demo's bf16-mixed step with `objective.prefix_weighting` off and on (the labels'
+probabilities taken in the head's one pass), as the ratio of their step times.
+
+Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]
 """
 
 from __future__ import annotations
@@ -130,7 +133,8 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     from dflash_train.train.batches import microbatch_loss
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    model, mb = build_step(DEMO) if name in PRECISIONS else _setup(vocab)
+    prefix = name == "prefix-weighting"  # bf16-mixed at the demo's shape, objective.prefix_weighting on
+    model, mb = build_step(DEMO) if name in PRECISIONS or prefix else _setup(vocab)
     if name == "bf16":  # DeepSpeed's bf16 engine holds the drafter (and the frozen head) in bf16
         model.to(torch.bfloat16)
         model.attach_target_weights(model._target_embed.bfloat16(), model._target_lm_head.bfloat16())
@@ -143,8 +147,8 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         if name == "naive":
             loss = _naive_loss(model, mb)
         else:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16-mixed"):
-                loss, _ = microbatch_loss(model, mb, attention="split", chunk=chunk)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16-mixed" or prefix):
+                loss, _ = microbatch_loss(model, mb, attention="split", chunk=chunk, prefix_weighting=prefix)
         (loss / mb.weight_sum).backward()
         losses.append(float(loss) / mb.weight_sum)
         if i == 0:
@@ -167,6 +171,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256, help="positions per LM-head chunk (ours)")
     ap.add_argument("--precisions", action="store_true",
                     help="compare engine.precision fp32 / bf16 / bf16-mixed at the demo's shape instead")
+    ap.add_argument("--prefix", action="store_true",
+                    help="compare the demo's bf16-mixed step without and with objective.prefix_weighting instead")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -176,7 +182,8 @@ def main() -> None:
 
     print(f"machine: {describe(machine_facts())}")
     results = {}
-    for name in PRECISIONS if args.precisions else ("naive", "ours"):
+    names = PRECISIONS if args.precisions else ("bf16-mixed", "prefix-weighting") if args.prefix else ("naive", "ours")
+    for name in names:
         out = subprocess.run([sys.executable, __file__, "--variant", name, "--steps", str(args.steps),
                               "--vocab", str(args.vocab), "--chunk", str(args.chunk)], capture_output=True, text=True)
         if out.returncode:
@@ -184,6 +191,12 @@ def main() -> None:
         results[name] = json.loads(out.stdout.strip().splitlines()[-1])
     if args.precisions:
         _print_precisions(results, args)
+        return
+    if args.prefix:
+        a, b = results["bf16-mixed"], results["prefix-weighting"]
+        print(f"T={DEMO.tokens} anchors={DEMO.anchors} B={DEMO.block} vocab={DEMO.vocab}, bf16-mixed, {args.steps} timed steps: "
+              f"step {a['step_s']:.3f} s plain, {b['step_s']:.3f} s with prefix weighting "
+              f"({b['step_s'] / a['step_s']:.2f}x)")
         return
     n, o = results["naive"], results["ours"]
     print(f"T={T} anchors={ANCHORS} B={B} hidden={H} vocab={args.vocab} (1 draft layer), CPU, fp32, "

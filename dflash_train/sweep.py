@@ -11,7 +11,7 @@ sweep resumes. Writes `OUT/sweep.json`, `OUT/sweep.md` (the table) and `OUT/swee
 against training rows, per source and variant).
 
 `--seeds 0,1,2` trains every run once per seed (`seed`, which draws the initialisation, the anchors and
-the row order; the held-out rows follow `data.split_seed` and stay the same), into
+the row order; the held-out rows follow `data.seed` and stay the same), into
 `OUT/<variant>-f<fraction>-s<seed>/`, and the table adds the mean and the spread (lowest to highest) of
 each setting across its seeds: a difference between settings smaller than that spread is not one.
 """

@@ -2,7 +2,7 @@
 
 1. Prepared rows: an existing folder (`data.prepared`), or the data stage's prepare (and
    regenerate) run once and cached under `$DFLASH_CACHE/data/<key>/`.
-2. A deterministic held-out split of those rows (`data.holdout_fraction`, seeded by `data.split_seed`,
+2. A deterministic held-out split of those rows (`data.holdout_fraction`, seeded by `data.seed`,
    not by the run's `seed`: runs of several seeds are measured on the same rows); the rows a periodic
    check reads are taken round-robin over a mixture's sources, so every source counts.
 3. Documents with context features and greedy tokens: `online` (target forward every time),
@@ -33,11 +33,18 @@ def _key(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _sampling_seed(data: DataConfig) -> dict:
+    """What data.seed adds to a cache key: nothing for greedy answers (the seed cannot change them) nor for the
+    default seed (keys written before data.seed existed stay valid), else the seed."""
+    r = data.regenerate
+    return {"seed": data.seed} if r.enabled and r.temperature > 0 and data.seed != 0 else {}
+
+
 def data_cache_root(data: DataConfig, target_path: str) -> Path:
-    ident = {"target": target_path, **data.model_dump(mode="json", exclude={"features", "holdout_fraction", "split_seed",
+    ident = {"target": target_path, **data.model_dump(mode="json", exclude={"features", "holdout_fraction", "seed",
                                                                              "cache_dir", "feature_cache",
                                                                              "train_fraction", "target_dtype"}),
-             "regenerate": data.regenerate.cache_inputs()}
+             "regenerate": data.regenerate.cache_inputs(), **_sampling_seed(data)}
     return _cache_base(data) / _key(ident)
 
 
@@ -65,7 +72,7 @@ def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
             max_samples, label = spec.max_samples or data.max_samples, source_label(spec)
             ident = {"target": target_path, "source": spec.source, "max_samples": max_samples, "split": spec.split,
                      "subset": spec.subset, "label": label, "max_length": data.max_length,
-                     "max_turns": data.max_turns, "regenerate": data.regenerate.cache_inputs()}
+                     "max_turns": data.max_turns, "regenerate": data.regenerate.cache_inputs(), **_sampling_seed(data)}
             parts.append(_source_rows(data, target_path, seed, spec.source, max_samples, spec.split, spec.subset,
                                       label, _cache_base(data) / "sources" / _key(ident), generators))
     mixed = data_cache_root(data, target_path) / "mixed"

@@ -280,14 +280,14 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                                           device=str(world.device))
     lap("load_target")
     if world.is_main:  # rank 0 prepares and caches; the others then read the cache
-        data_path = prepared_rows(recipe.data, target_path, recipe.seed)
+        data_path = prepared_rows(recipe.data, target_path, recipe.data.seed)
     barrier()
-    data_path = prepared_rows(recipe.data, target_path, recipe.seed) if not world.is_main else data_path
+    data_path = prepared_rows(recipe.data, target_path, recipe.data.seed) if not world.is_main else data_path
     lap("prepare_and_regenerate")
     rows = load_rows(data_path)
-    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.data.split_seed)
+    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.data.seed)
     labels = list(rows["source"]) if "source" in rows.column_names else None
-    train_rows = fraction_of_rows(train_rows, recipe.data.train_fraction, recipe.data.split_seed, labels)
+    train_rows = fraction_of_rows(train_rows, recipe.data.train_fraction, recipe.data.seed, labels)
 
     def token_counts():  # the training rows' own: held-out answers must not pick the draft vocabulary
         from dflash_train.data.vocab import read_token_freq, training_token_frequencies
@@ -307,7 +307,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                     source_balance(train_rows, labels))
     val_rows = validation_rows(held, labels, recipe.logging.eval_documents)
     fit_count = recipe.logging.eval_documents if recipe.logging.fit_documents is None else recipe.logging.fit_documents
-    check_fit_rows = fit_rows(train_rows, labels, fit_count, recipe.data.split_seed) if val_rows else []
+    check_fit_rows = fit_rows(train_rows, labels, fit_count, recipe.data.seed) if val_rows else []
     source.warm(train_rows + val_rows, progress=world.is_main and recipe.logging.progress)
     lap("features")
     drafter.activation_checkpointing = recipe.engine.activation_checkpointing

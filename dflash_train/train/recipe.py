@@ -71,9 +71,10 @@ class DataConfig(_Section):
     # float32's at ~2% of positions, so pair it with objective.labels: dataset on data the target regenerated
     target_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     holdout_fraction: float = Field(0.05, ge=0, lt=1)
-    # seeds which rows are held out and which data.train_fraction keeps; apart from the run's `seed`, so runs
-    # with different seeds are measured on the same held-out rows (their spread is the seed's alone)
-    split_seed: int = 0
+    # seeds the data, apart from the run's `seed`: which rows are held out, which data.train_fraction keeps,
+    # the check's training rows, and regeneration's sampling (temperature > 0). Runs that differ in `seed`
+    # alone share their data and are measured on the same held-out rows (their spread is the seed's own)
+    seed: int = 0
     # train on this fraction of the training rows (the same rows in every source's proportion; the
     # held-out rows and every cache are unchanged, so runs on 1/4, 1/2 and all rows compare directly)
     train_fraction: float = Field(1.0, gt=0, le=1)

@@ -75,13 +75,13 @@ def test_run_folder_layout(reference_run):
 
 
 @pytest.mark.slow
-def test_the_held_out_rows_follow_the_split_seed_not_the_run_seed(reference_run, tmp_path):
+def test_the_held_out_rows_follow_the_data_seed_not_the_run_seed(reference_run, tmp_path):
     """Runs that differ in `seed` alone are measured on the same held-out rows (a spread across seeds is the
-    seed's own); data.split_seed picks another split. The rows trained on follow the split too."""
+    seed's own); data.seed picks another split. The rows trained on follow the split too."""
     recipe, ref = reference_run
     held = json.loads((ref / "holdout_rows.json").read_text())["rows"]
     runs = {}
-    for name, sets in (("seed1", ["seed=1"]), ("split1", ["data.split_seed=1"])):
+    for name, sets in (("seed1", ["seed=1"]), ("split1", ["data.seed=1"])):
         out = tmp_path / name
         res = _train(["--config", recipe, "--output", out, "--max-steps", "1", *[a for s in sets for a in ("--set", s)]])
         assert res.returncode == 0, res.stderr[-3000:]
@@ -375,7 +375,7 @@ def test_a_whole_run_with_its_checks_needs_few_flex_compiles(train_tiny_target, 
     target, _ = load_target(str(train_tiny_target), dtype=torch.float32, device="cpu")
     rows = load_rows(train_prepared)
     labels = list(rows["source"]) if "source" in rows.column_names else None
-    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.data.split_seed)
+    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.data.seed)
     source = DocumentSource(rows, "memory", target, [1, 3], target_hidden=64)
     world = World(0, 1, 0, torch.device("cpu"))
     plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, 1)
@@ -446,3 +446,36 @@ def test_a_whole_gpu_step_never_synchronises(train_tiny_target, train_prepared):
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["optimizer"] == "DeviceAdamW" and r["tokens"] > 0 and r["loss"] > 0
+
+
+@pytest.mark.slow
+def test_runs_of_another_seed_reuse_the_regenerated_rows(tmp_path, train_tiny_target):
+    """The data stage is seeded by data.seed: a run of another `seed` finds the regenerated rows in the cache
+    (greedy answers cannot depend on a seed), and sampled answers of another data.seed get a cache entry of
+    their own instead of replacing the first one."""
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"question {i}?", "response": f"answer {i}"}) + "\n"
+                            for i in range(10)))
+    recipe = tmp_path / "regen.yaml"
+    recipe.write_text(f"""target: {train_tiny_target}
+data: {{source: {rows}, features: memory, holdout_fraction: 0.2, max_length: 64, cache_dir: {tmp_path / 'cache'},
+        regenerate: {{enabled: true, max_new_tokens: 4, engine: hf, dtype: float32}}}}
+drafter: {{num_layers: 1, block_size: 4, mask_token_id: 16, num_features: 2, dtype: float32}}
+objective: {{anchors_per_document: 4, logits_chunk: 64}}
+optim: {{lr: 1.0e-3, max_steps: 1}}
+batch: {{tokens_per_microbatch: 256}}
+logging: {{log_every: 1, eval_every: 100, progress: false}}
+""")
+
+    def regenerated():
+        return {str(p.parent.parent): p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("regenerated/prepare_summary.json")}
+
+    runs = {}
+    for name, sets in (("seed0", []), ("seed1", ["seed=1"]), ("sampled", ["data.regenerate.temperature=0.7"]),
+                       ("sampled-data1", ["data.regenerate.temperature=0.7", "data.seed=1"])):
+        res = _train(["--config", recipe, "--output", tmp_path / name, *[a for s in sets for a in ("--set", s)]])
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[name] = regenerated()
+    assert len(runs["seed0"]) == 1 and runs["seed1"] == runs["seed0"]  # the same rows, not rewritten
+    assert len(runs["sampled"]) == 2 and len(runs["sampled-data1"]) == 3  # a new entry each, none replaced
+    assert all(runs["sampled-data1"][k] == v for k, v in runs["sampled"].items())

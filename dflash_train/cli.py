@@ -345,9 +345,10 @@ def sweep(output: Path = typer.Option(..., "--output", help="Sweep folder: one r
     from dflash_train.output_lock import output_lock
     from dflash_train.sweep import markdown_table, parse_fractions, parse_seeds, parse_variant, run_sweep
 
-    parsed = [parse_variant(v) for v in variants], parse_fractions(fractions), parse_seeds(seeds)  # before any write
+    settings = [parse_variant(v) for v in variants]  # every flag is checked before anything is written
+    shares, seed_list = parse_fractions(fractions), parse_seeds(seeds)
     with output_lock(output, "--output", "sweep"):
-        result = run_sweep(output, config, overrides, parsed[0], parsed[1], num_prompts, max_new_tokens, parsed[2])
+        result = run_sweep(output, config, overrides, settings, shares, num_prompts, max_new_tokens, seed_list)
     typer.echo(markdown_table(result), nl=False)
     typer.echo(f"wrote {output / 'sweep.json'}, {output / 'sweep.md'}")
 

@@ -137,8 +137,11 @@ def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list
     if len(set(names)) < len(names):
         raise ConfigError(f"--variant: two variants are named {sorted(n for n in names if names.count(n) > 1)[0]!r}")
     fractions = fractions or [1.0]
-    seeded = [v.name for v in variants if any(o.split("=", 1)[0].strip() == "seed" for o in v.overrides)]
-    if seeds is not None and (seeded or any(o.split("=", 1)[0].strip() == "seed" for o in overrides or [])):
+    def sets_seed(items) -> bool:
+        return any(o.split("=", 1)[0].strip() == "seed" for o in items)
+
+    seeded = [v.name for v in variants if sets_seed(v.overrides)]
+    if seeds is not None and (seeded or sets_seed(overrides or [])):
         raise ConfigError(f"--seeds sets every run's seed; drop `seed=` from --set / --variant "
                           f"{seeded[0] if seeded else ''}".rstrip())
     from dflash_train.train.recipe import load_recipe

@@ -175,8 +175,8 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
     Blocks are as wide as `mb.labels` (at most the drafter's block size). `index` [M]: the flat
     positions of the labelled slots (found on the host when not given). prefix_weighting
     (`objective.prefix_weighting`): each slot's weight is also scaled by the drafter's own chance (no
-    gradient) that the slots before it in its block are all right, the chance serving reaches it; one
-    more head forward (`loss.label_probs`)."""
+    gradient) that the slots before it in its block are all right, the chance serving reaches it; taken in
+    the head's own pass, or with a trained head or the kl loss in one more head forward (`loss.label_probs`)."""
     device = model.fc.weight.device
     if index is None:
         index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)

@@ -48,12 +48,14 @@ def data_cache_root(data: DataConfig, target_path: str) -> Path:
     return _cache_base(data) / _key(ident)
 
 
-def prepared_rows(data: DataConfig, target_path: str, seed: int) -> Path:
+def prepared_rows(data: DataConfig, target_path: str) -> Path:
     """The folder of prepared (and possibly regenerated) rows, building and caching it if needed.
 
     A mixture (`data.source` a list) prepares and regenerates each source on its own, cached under
     a key of that source's settings alone (so another mixture, or another count of one source,
-    reuses the others' regenerated rows), then concatenates them with a `source` label per row."""
+    reuses the others' regenerated rows), then concatenates them with a `source` label per row.
+    The data stage is seeded by `data.seed`."""
+    seed = data.seed
     if data.prepared:
         path = Path(data.prepared)
         if not path.exists():

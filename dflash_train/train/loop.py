@@ -280,9 +280,9 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                                           device=str(world.device))
     lap("load_target")
     if world.is_main:  # rank 0 prepares and caches; the others then read the cache
-        data_path = prepared_rows(recipe.data, target_path, recipe.data.seed)
+        data_path = prepared_rows(recipe.data, target_path)
     barrier()
-    data_path = prepared_rows(recipe.data, target_path, recipe.data.seed) if not world.is_main else data_path
+    data_path = prepared_rows(recipe.data, target_path) if not world.is_main else data_path
     lap("prepare_and_regenerate")
     rows = load_rows(data_path)
     train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.data.seed)

@@ -193,21 +193,12 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
 
 @torch.no_grad()
 def label_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = 1024) -> torch.Tensor:
-    """[M] fp32: the head's probability of each label (no gradient), `chunk` positions at a time, in the
-    head's matmul dtype as `head_loss` computes it (under autocast too)."""
-    device = hidden.device.type
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-    if autocast:
-        hidden = hidden.to(torch.get_autocast_dtype(device))
-    mm_dtype = head_matmul_dtype(hidden.dtype, weight.dtype, device)
-    w = weight.to(mm_dtype)
-    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    chunk = hidden.shape[0] if not chunk else int(chunk)
-    with torch.autocast(device, enabled=False) if autocast else nullcontext():
-        for s in range(0, hidden.shape[0], chunk):
-            logits = _mm(hidden[s:s + chunk].to(mm_dtype), w.t())
-            out[s:s + chunk] = (logits.gather(1, labels[s:s + chunk, None]).squeeze(1) - logits.logsumexp(-1)).exp()
-    return out
+    """[M] fp32: the head's probability of each label (no gradient), as `head_loss` computes it (its chunks,
+    its matmul dtype, under autocast too): the probabilities its `reweight` receives."""
+    seen = []
+    head_loss(hidden.detach(), weight.detach(), labels, torch.ones(hidden.shape[0], device=hidden.device),
+              chunk=chunk, reweight=lambda probs: seen.append(probs) or torch.ones_like(probs))
+    return seen[0] if seen else torch.zeros(0, dtype=torch.float32, device=hidden.device)
 
 
 def accepted_prefix_weights(probs: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

@@ -64,13 +64,13 @@ def test_a_mixture_is_prepared_per_source_and_reuses_each_source(tmp_path, train
                                   {"source": str(tmp_path / "code.jsonl"), "max_samples": code_samples}],
                           max_length=64, cache_dir=str(tmp_path / "cache"))
 
-    path = prepared_rows(mixture(3), str(train_tiny_target), seed=0)
+    path = prepared_rows(mixture(3), str(train_tiny_target))
     rows = load_rows(path)
     assert rows["source"] == ["chat"] * 4 + ["code"] * 3
     chat_parts = [p for p in (tmp_path / "cache" / "sources").iterdir()
                   if load_rows(p / "prepared")["source"][0] == "chat"]
     stamp = (chat_parts[0] / "prepared" / "dataset_info.json").stat().st_mtime_ns
-    other = prepared_rows(mixture(2), str(train_tiny_target), seed=0)
+    other = prepared_rows(mixture(2), str(train_tiny_target))
     assert other != path and load_rows(other)["source"] == ["chat"] * 4 + ["code"] * 2
     # the chat source was prepared once: the second mixture reused it
     assert len([p for p in (tmp_path / "cache" / "sources").iterdir()]) == 3

@@ -13,7 +13,8 @@ CUDA:
 - a transformers `StaticCache` is passed to `generate`, which then runs every decode step through
   `torch.compile` (transformers' default `CompileConfig`: inductor, mode "reduce-overhead", i.e. CUDA
   graphs); the prefill stays eager. The last cache is kept and reset when the next group has the same
-  shape, so its captured graphs stay valid.
+  shape, so its captured graphs stay valid. Attention is `data/gqa_decode.py`'s: a decode step reads
+  each cached K/V head once, where transformers' compiled SDPA path with a mask would repeat them.
 - one shape and one cache per width, for the whole run: a group's width (its padded prompt length) is
   rounded up to a ladder of two steps per octave (64, 96, 128, 192, 256, 384, ...), its cache holds
   width + max_new_tokens positions, and every group of a width has the same row count (a group that is
@@ -175,6 +176,10 @@ class HFGenerator:
         # static cache + compile on CUDA; tests turn the static path on for CPU (eager, or compiled
         # through `compile_config` with `_compile_all_devices`)
         self.static = device == "cuda" if static_cache is None else static_cache
+        if self.static:  # the compiled decode step reads each cached K/V head once (data/gqa_decode.py)
+            from dflash_train.data.gqa_decode import use_gqa_decode
+
+            use_gqa_decode(self.model)
         self.compile_config = compile_config
         self.max_rows = MAX_ROWS_CUDA if self.static else MAX_ROWS_CPU
         self.dtype_bytes = torch.empty((), dtype=dtype).element_size()

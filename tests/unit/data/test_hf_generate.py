@@ -205,6 +205,9 @@ def test_compiled_static_decoding_equals_eager(train_tiny_target, smollm2, promp
     compiled = hg.HFGenerator(str(train_tiny_target), smollm2[1], STOP, NEW, 0.0, static_cache=True,
                               compile_config=config)
     compiled.max_rows = eager.max_rows = 4
+    # the static path decodes with data/gqa_decode.py's attention (no repeat_kv in the compiled step)
+    assert compiled.model.config._attn_implementation == "sdpa_gqa_decode"
+    assert eager.model.config._attn_implementation == "sdpa"
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert compiled.generate(prompts) == eager.generate(prompts)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # it did compile

@@ -55,7 +55,7 @@ def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int
     tok = load_tokenizer(None)
     renderer = ChatRenderer(tok, max_length=max_length)
     gen = HFGenerator(resolve_target(None), tok, stop_ids(tok, renderer), max_new_tokens, 0.0, device=device,
-                      static_cache=False if today else None, max_prompt_length=max_length)
+                      static_cache=False if today else None)
     if today:  # f25d61f: one generate call for the whole batch on CUDA, 32 rows per call on CPU
         gen.free_bytes = None
         gen.max_rows = len(convs) if device == "cuda" else 32

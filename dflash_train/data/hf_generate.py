@@ -15,16 +15,18 @@ CUDA:
   graphs); the prefill stays eager. The last cache is kept and reset when the next group has the same
   shape, so its captured graphs stay valid. Attention is `data/gqa_decode.py`'s: a decode step reads
   each cached K/V head once, where transformers' compiled SDPA path with a mask would repeat them.
-- one shape and one cache per width, for the whole run: a group's width (its padded prompt length) is
-  rounded up to a ladder of two steps per octave (64, 96, 128, 192, 256, 384, ...), its cache holds
-  width + max_new_tokens positions, and every group of a width has the same row count (a group that is
-  not full is padded by repeating its first prompt; those results are dropped). The compiled decode
-  step is captured as a CUDA graph over its cache's addresses, so a new cache for a shape seen before
-  would capture another graph (and keep another pool); each width's cache is therefore kept and
-  reset, never remade. Given the longest prompt (`max_prompt_length`, the data's max_length), the row
-  count is the same for every width of the ladder up to it and sized so that all their caches fit
-  together (`fixed_rows`); the planner counts the padded rows (`plan_groups(pad_rows=True)`). Without
-  it, rows come from `rows_that_fit` per width and only the last cache is kept.
+- a group's width (its padded prompt length) is rounded up to a ladder of two steps per octave (64, 96,
+  128, 192, 256, 384, ...); its cache holds width + max_new_tokens positions. Each width gets the rows
+  that fit its own cache and prefill (`rows_that_fit`), so short prompts run in large groups and long
+  ones in small groups; a group that is not full runs its own rows, never padded (an earlier version
+  padded it with copies of its first prompt, and sized every width for all widths' caches together:
+  215 of 512 rows in one width-2048 group of 304 rows, 89 of them copies). The compiled step then sees
+  a few shapes per width; after the first recompile dynamo compiles one dynamic-shape graph, and the
+  CUDA graph trees record one graph per shape, a decode step each.
+- caches are kept, keyed by shape, and reset when a group of the same shape comes again (a CUDA graph
+  recorded over a cache's addresses stays valid); they are kept while they fit beside the current
+  group (SAFETY x the free memory measured after loading the model), the least recently used dropped
+  first (`_static_cache`).
 - which widths share a group: every decode step of a static cache reads all its positions, so short
   prompts in a wide group cost KV reads, while another group costs its own decode steps. The prompts'
   widths are split into runs (`plan_groups`, exact over the ladder's few widths) minimizing, per step,
@@ -90,33 +92,13 @@ def rows_that_fit(free_bytes: int, row_bytes: int, safety: float = SAFETY, cap: 
     return max(1, rows - rows % MIN_ROWS_CUDA if rows >= MIN_ROWS_CUDA else rows)
 
 
-def ladder_up_to(n: int) -> list[int]:
-    """Every ladder width up to ladder_width(n)."""
-    widths = [64]
-    while widths[-1] < n:
-        widths.append(ladder_width(widths[-1] + 1))
-    return widths
-
-
-def fixed_rows(config, dtype_bytes: int, widths: list[int], max_new_tokens: int, free_bytes: int,
-               cap: int = MAX_ROWS_CUDA) -> int:
-    """One row count for every width in `widths` such that a static cache of each (all kept for the run)
-    plus the prefill of one group of the widest fit in SAFETY * free_bytes (`rows_that_fit`)."""
-    kv = kv_bytes_per_token(config, dtype_bytes)
-    widest = max(widths)
-    prefill = bytes_per_row(config, dtype_bytes, widest, max_new_tokens) - kv * (widest + max_new_tokens)
-    return rows_that_fit(free_bytes, sum(kv * (w + max_new_tokens) for w in widths) + prefill, cap=cap)
-
-
 def plan_groups(lengths: list[int], rows_for: Callable[[int], int], width_of: Callable[[int], int],
-                group_cost: float = 0.0, position_cost: float = 0.0, max_new_tokens: int = 0,
-                pad_rows: bool = False) -> list[list[int]]:
+                group_cost: float = 0.0, position_cost: float = 0.0, max_new_tokens: int = 0) -> list[list[int]]:
     """Groups of prompt indices, longest prompts first, each of at most `rows_for(width of its longest)`.
 
     Without costs every group is filled in order. With them (static cache), prompts are first split
     into runs of consecutive widths that minimize groups * group_cost + sum over rows of
-    (run width + max_new_tokens) * position_cost, and groups never cross a run. `pad_rows`: every group
-    runs rows_for(width) rows (its padding rows cost as much as real ones).
+    (run width + max_new_tokens) * position_cost, and groups never cross a run.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     runs = [order]
@@ -134,10 +116,8 @@ def plan_groups(lengths: list[int], rows_for: Callable[[int], int], width_of: Ca
             for a in range(j - 1, -1, -1):
                 n += len(buckets[a][1])
                 w = buckets[a][0]
-                groups, rows = -(-n // rows_for(w)), n
-                if pad_rows:
-                    rows = groups * rows_for(w)
-                cost = best[a] + groups * group_cost + rows * (w + max_new_tokens) * position_cost
+                groups = -(-n // rows_for(w))
+                cost = best[a] + groups * group_cost + n * (w + max_new_tokens) * position_cost
                 if cost < best[j]:
                     best[j], cut[j] = cost, a
         runs, j = [], len(buckets)
@@ -161,7 +141,7 @@ class HFGenerator:
 
     def __init__(self, target_path, tokenizer, stop_ids: list[int], max_new_tokens: int, temperature: float,
                  device: str | None = None, static_cache: bool | None = None, compile_config=None,
-                 dtype: str = "auto", max_prompt_length: int | None = None):
+                 dtype: str = "auto"):
         import torch
 
         from dflash_train.target import load_target, target_torch_dtype
@@ -186,23 +166,18 @@ class HFGenerator:
         self.free_bytes = torch.cuda.mem_get_info(torch.device(device))[0] if device == "cuda" else None
         self._oom_cap: int | None = None  # rows per group after an out-of-memory error (this width and wider)
         self._oom_width = 0
-        # static: the ladder widths whose caches are all kept (rows sized so they fit together); else none
-        self.widths = ladder_up_to(max_prompt_length) if self.static and max_prompt_length else []
-        self._fixed = None
-        if self.widths and self.free_bytes is not None:
-            self._fixed = fixed_rows(self.model.config, self.dtype_bytes, self.widths, max_new_tokens,
-                                     self.free_bytes, cap=self.max_rows)
-        self._caches: dict[int, tuple[int, int, object]] = {}  # width -> (rows, length, StaticCache)
+        # static: kept caches, least recently used first: (rows, length) -> StaticCache
+        self._caches: dict[tuple[int, int], object] = {}
 
     # ---- planning -------------------------------------------------------------------------------
     def width_of(self, n: int) -> int:
         return ladder_width(n) if self.static else n
 
     def rows_for(self, width: int) -> int:
+        """Rows of a group of this width: what its own cache and prefill fit on CUDA (`rows_that_fit`),
+        at most `max_rows`, at most the cap an out-of-memory error set for this width and wider."""
         rows = self.max_rows
-        if width in self.widths:
-            rows = self._fixed or self.max_rows
-        elif self.free_bytes is not None:
+        if self.free_bytes is not None:
             row = bytes_per_row(self.model.config, self.dtype_bytes, width, self.max_new_tokens)
             rows = rows_that_fit(self.free_bytes, row, cap=self.max_rows)
         if self._oom_cap is not None and width >= self._oom_width:
@@ -222,7 +197,7 @@ class HFGenerator:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return plan_groups([len(p) for p in prompts], self.rows_for, self.width_of, group_cost=STEP_BYTES + weights,
                            position_cost=kv_bytes_per_token(self.model.config, self.dtype_bytes),
-                           max_new_tokens=self.max_new_tokens, pad_rows=True)
+                           max_new_tokens=self.max_new_tokens)
 
     def generate_groups(self, prompts: list[list[int]], seed: int = 0) -> Iterator[tuple[int, tuple]]:
         import torch
@@ -259,16 +234,14 @@ class HFGenerator:
 
         n = len(prompts)
         width = self.width_of(max(len(p) for p in prompts))
-        rows = self.rows_for(width) if self.static else n  # one row count per width: one compiled shape
-        batch = prompts + [prompts[0]] * (rows - n)
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for r, p in enumerate(batch):
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)  # left padding; no padding rows
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for r, p in enumerate(prompts):
             ids[r, width - len(p):] = torch.tensor(p)
             mask[r, width - len(p):] = 1
         extra = {}
         if self.static:
-            extra["past_key_values"] = self._static_cache(rows, width + self.max_new_tokens)
+            extra["past_key_values"] = self._static_cache(n, width)
             if self.compile_config is not None:
                 extra["compile_config"] = self.compile_config
         torch.manual_seed(seed)
@@ -278,7 +251,7 @@ class HFGenerator:
                                   temperature=self.temperature if sample else None, top_p=None, top_k=None,
                                   eos_token_id=self.stop_ids, pad_token_id=self.pad_id, **extra)
         results = []
-        for row in out[:n, width:].tolist():
+        for row in out[:, width:].tolist():
             new = []
             for t in row:
                 if t in self.stop_ids:
@@ -288,23 +261,26 @@ class HFGenerator:
             results.append((self.tokenizer.decode(new, skip_special_tokens=True).strip(), len(new), hit_max))
         return results
 
-    def _static_cache(self, rows: int, length: int):
-        """This width's cache (reset) when its shape is unchanged, else a new one. Caches of the planned
-        widths are all kept (they fit together); any other width keeps only the last one."""
-        width = length - self.max_new_tokens
-        kept = self._caches.get(width)
-        if kept is not None and kept[:2] == (rows, length):
-            kept[2].reset()
-            return kept[2]
-        # freed caches' memory goes to the new one: this width's of another row count (an out-of-memory
-        # cap), and, for a width outside the plan, the last such cache
-        stale = [w for w in self._caches if w == width or (width not in self.widths and w not in self.widths)]
-        for w in stale:
-            del self._caches[w]
+    def _static_cache(self, rows: int, width: int):
+        """The cache of this shape (reset) when one is kept, else a new one. Kept caches stay while they fit
+        beside this group in SAFETY x free memory (on CUDA; elsewhere all are kept), the least recently used
+        dropped first."""
+        length = width + self.max_new_tokens
+        key = (rows, length)
+        kept = self._caches.pop(key, None)
+        if kept is not None:
+            kept.reset()
+            self._caches[key] = kept  # now the most recently used
+            return kept
+        if self.free_bytes is not None:
+            kv = kv_bytes_per_token(self.model.config, self.dtype_bytes)
+            group = rows * bytes_per_row(self.model.config, self.dtype_bytes, width, self.max_new_tokens)
+            while self._caches and group + sum(r * n * kv for r, n in self._caches) > SAFETY * self.free_bytes:
+                del self._caches[next(iter(self._caches))]
         from transformers import StaticCache
 
         cache = StaticCache(config=self.model.config, max_cache_len=length)
-        self._caches[width] = (rows, length, cache)
+        self._caches[key] = cache
         return cache
 
     def _release(self, empty: bool = False) -> None:

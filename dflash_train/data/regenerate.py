@@ -114,8 +114,7 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
             def start(log_dir: Path):
                 from dflash_train.data.hf_generate import HFGenerator
 
-                return HFGenerator(target_path, tokenizer, stops, max_new_tokens, temperature, dtype=dtype,
-                                   max_prompt_length=max_length)
+                return HFGenerator(target_path, tokenizer, stops, max_new_tokens, temperature, dtype=dtype)
         key = (engine, vllm_python, target_path, tuple(stops), max_new_tokens, temperature, max_length, dtype)
         gen = start(work) if generators is None else generators.get(key, lambda: start(generators.log_dir or work))
         try:

@@ -79,31 +79,6 @@ def test_plan_groups_splits_widths_when_kv_reads_cost_more_than_a_group():
     assert [len(g) for g in hg.plan_groups(lengths, group_cost=4.5e9, **kw)] == [2, 40, 40, 20]
 
 
-def test_fixed_rows_fit_a_cache_of_every_width_together(smollm2):
-    """With the longest prompt known, one row count serves every ladder width up to it, and a kept cache
-    of each width plus one group's prefill at the widest fit in SAFETY x free memory."""
-    config = smollm2[0].config
-    widths = hg.ladder_up_to(1024)
-    assert widths == [64, 96, 128, 192, 256, 384, 512, 768, 1024] and hg.ladder_up_to(64) == [64]
-    free = 40 * 10**9
-    rows = hg.fixed_rows(config, 2, widths, 320, free)
-    caches = rows * sum(23040 * (w + 320) for w in widths)
-    prefill = rows * (hg.bytes_per_row(config, 2, 1024, 320) - 23040 * (1024 + 320))
-    assert rows % 16 == 0 and caches + prefill <= hg.SAFETY * free
-    bigger = (rows + 16) * (sum(23040 * (w + 320) for w in widths)) + (rows + 16) * prefill // rows
-    assert bigger > hg.SAFETY * free  # the largest multiple of 16 that fits
-    assert rows < hg.rows_that_fit(free, hg.bytes_per_row(config, 2, 1024, 320))  # one width alone: more
-
-
-def test_plan_groups_counts_padded_rows_when_every_group_is_full_size():
-    """Two prompts of width 128 and 14 of width 64, 16 rows per group: apart they read fewer positions,
-    unless each group runs all 16 rows anyway (a fixed row count), when one group is cheaper."""
-    lengths = [100, 110] + [40] * 14
-    kw = dict(rows_for=lambda w: 16, width_of=hg.ladder_width, group_cost=500, position_cost=1)
-    assert hg.plan_groups(lengths, **kw) == [[1, 0], list(range(2, 16))]
-    assert hg.plan_groups(lengths, pad_rows=True, **kw) == [[1, 0, *range(2, 16)]]
-
-
 @pytest.fixture(scope="module")
 def prompts(smollm2):
     from dflash_train.data.render import ChatRenderer
@@ -141,7 +116,7 @@ def test_cpu_path_equals_plain_generate(smollm2_path, smollm2, prompts, referenc
 
 def test_static_cache_path_equals_plain_generate(smollm2_path, smollm2, prompts, reference, monkeypatch):
     """The CUDA path on CPU (eager): static cache reused across groups of one shape, ladder widths,
-    a partial group padded with repeats, and an out-of-memory group split in two."""
+    a partial group run as it is, and an out-of-memory group split in two."""
     from transformers import StaticCache
 
     gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0, static_cache=True)
@@ -157,8 +132,11 @@ def test_static_cache_path_equals_plain_generate(smollm2_path, smollm2, prompts,
 
     monkeypatch.setattr(gen.model, "generate", spy)
     assert gen.generate(prompts) == reference
-    # 6 prompts of 20-60 tokens: width 64; a full group of 4, then 2 padded to 4 rows by repeats
-    assert [shape for shape, _ in calls] == [(4, 64), (4, 64)] and calls[0][1] is calls[1][1]
+    # 6 prompts of 20-60 tokens: width 64; a full group of 4, then the other 2 (not padded), each its own cache
+    assert [shape for shape, _ in calls] == [(4, 64), (2, 64)] and calls[0][1] is not calls[1][1]
+    calls.clear()
+    assert gen.generate(prompts[:4]) == reference[:4]  # a shape seen before: its kept cache
+    assert [shape for shape, _ in calls] == [(4, 64)] and calls[0][1] is gen._caches[(4, 64 + NEW)]
 
     # out of memory on a group of 4: split in 2 + 2, later groups capped at 2, same answers
     calls.clear()
@@ -213,14 +191,13 @@ def test_compiled_static_decoding_equals_eager(train_tiny_target, smollm2, promp
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # it did compile
 
 
-def test_one_shape_and_one_kept_cache_per_width_across_calls(smollm2_path, smollm2, prompts, reference,
-                                                              monkeypatch):
-    """The regeneration path on CUDA (static cache; here eager on CPU), the longest prompt known: over
-    two calls with prompts of two widths, every group of a width has the same shape and the same cache
-    object (reset, never remade: a CUDA graph captured over its addresses stays valid), and the answers
-    are plain generate's."""
-    gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0, static_cache=True, max_prompt_length=256)
-    assert gen.widths == [64, 96, 128, 192, 256]
+def test_partial_groups_run_their_own_rows_and_caches_are_reused_by_shape(smollm2_path, smollm2, prompts,
+                                                                        reference, monkeypatch):
+    """The regeneration path on CUDA (static cache; here eager on CPU): over two calls with prompts of two
+    widths, every group runs exactly its prompts (no padding rows), a group of a shape seen before gets
+    the same cache object back (reset, never remade: a CUDA graph recorded over its addresses stays
+    valid), and the answers are plain generate's."""
+    gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0, static_cache=True)
     gen.max_rows = 4
     long_prompts = [p + p[-30:] + p[-30:] for p in prompts[:3]]  # 80-120 tokens: width 96 or 128
     long_ref = [_plain(*smollm2, p) for p in long_prompts]
@@ -228,15 +205,42 @@ def test_one_shape_and_one_kept_cache_per_width_across_calls(smollm2_path, smoll
     real = gen.model.generate
 
     def spy(**kw):
-        seen.append((tuple(kw["input_ids"].shape), id(kw["past_key_values"])))
+        ids = kw["input_ids"]
+        seen.append((tuple(ids.shape), id(kw["past_key_values"]), len({tuple(r) for r in ids.tolist()})))
         return real(**kw)
 
     monkeypatch.setattr(gen.model, "generate", spy)
     assert gen.generate(prompts + long_prompts) == reference + long_ref
     first = len(seen)
+    assert sorted(rows for (rows, _), _, _ in seen) == [2, 3, 4]  # 6 short prompts in 4 + 2, 3 long ones
     assert gen.generate(long_prompts[::-1] + prompts[:2]) == long_ref[::-1] + reference[:2]
-    assert len(seen) > first and all(rows == 4 for (rows, _), _ in seen)  # one row count: a partial group is padded
+    assert len(seen) > first and all(distinct == rows for (rows, _), _, distinct in seen)  # no copies
     caches = {}
-    for (_, width), cache in seen:
-        caches.setdefault(width, set()).add(cache)
-    assert len(caches) >= 2 and all(len(ids) == 1 for ids in caches.values()), caches  # one cache per width
+    for shape, cache, _ in seen:
+        caches.setdefault(shape, set()).add(cache)
+    assert any(len([s for s, _, _ in seen if s == shape]) > 1 for shape in caches)  # a shape came again
+    assert all(len(ids) == 1 for ids in caches.values()), caches  # and found its cache
+
+
+def test_rows_are_sized_per_width_and_caches_kept_while_they_fit(smollm2_path, smollm2):
+    """On CUDA (free memory known; set by hand here) each width gets the rows its own cache and prefill
+    fit, and kept caches are dropped least recently used first once they no longer fit beside a group."""
+    gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0, static_cache=True)
+    config, nbytes = gen.model.config, gen.dtype_bytes
+    gen.free_bytes = 20 * 10**9
+    for w in (64, 256, 2048):
+        assert gen.rows_for(w) == hg.rows_that_fit(gen.free_bytes, hg.bytes_per_row(config, nbytes, w, NEW))
+    assert gen.rows_for(64) > gen.rows_for(2048) >= 16
+    kv, row = hg.kv_bytes_per_token(config, nbytes), hg.bytes_per_row(config, nbytes, 64, NEW)
+    cache = kv * (64 + NEW)  # one row's cache at width 64, less than the row's whole share (cache + prefill)...
+    assert 2 * cache > row > cache  # ...but two rows' caches are more than it
+    # room for a group of 2 beside a kept cache of 4 rows, but not for a group of 1 beside caches of 4 and 2
+    gen.free_bytes = int((2 * row + 4 * cache + (2 * cache - row) / 2) / hg.SAFETY)
+    a = gen._static_cache(4, 64)
+    assert gen._static_cache(4, 64) is a  # the same shape: the kept cache
+    b = gen._static_cache(2, 64)
+    assert list(gen._caches) == [(4, 64 + NEW), (2, 64 + NEW)]  # both kept
+    assert gen._static_cache(4, 64) is a and list(gen._caches) == [(2, 64 + NEW), (4, 64 + NEW)]  # a: most recent
+    gen._static_cache(1, 64)  # b, the least recently used, goes
+    assert list(gen._caches) == [(4, 64 + NEW), (1, 64 + NEW)] and gen._static_cache(4, 64) is a
+    assert gen._static_cache(2, 64) is not b

@@ -9,7 +9,7 @@ work in both variants; the "ours" run also times it alone, which bounds the poss
 for both variants alike.
 
 `--precisions` instead compares our step in the three `engine.precision` modes at the demo's
-shape (B=8, 4K draft vocab, 448 anchors over the 1,024 tokens): fp32; bf16 (DeepSpeed's bf16: the
+shape (B=8, 4K draft vocab, 96 anchors over the 1,024 tokens): fp32; bf16 (DeepSpeed's bf16: the
 weights themselves in bf16); bf16-mixed (fp32 weights, the forward under torch.autocast). It prints
 each one's step time against fp32 and its loss and gradient error against fp32.
 
@@ -122,7 +122,7 @@ def _head_alone(model, mb, chunk: int, steps: int) -> float:
     return sum(times) / len(times)
 
 
-DEMO = replace(SMOLLM2, vocab=4096, block=8, anchors=448)  # ~7 documents x 64 anchors in 1,024 tokens
+DEMO = replace(SMOLLM2, vocab=4096, block=8, anchors=96)  # the demo: ~6 documents x 16 anchors in 1,024 tokens
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 
 

@@ -71,7 +71,8 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
                      anchors: list[torch.Tensor] | None = None, pin_memory: bool = False,
                      anchor_density: tuple[float, int, int | None] | None = None,
-                     context_pad: int | None = None, row_weight: dict[int, float] | None = None) -> MicroBatch:
+                     context_pad: int | None = None, row_weight: dict[int, float] | None = None,
+                     loss_row_weight: dict[int, float] | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     Documents that carry the target's top-k (kl loss) give the micro-batch the top-k of the
@@ -84,6 +85,8 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     context_pad: the run's micro-batch token budget; compiled flex pads every context to it (one shape).
     row_weight: per prepared row, a factor on its sampled blocks' `block_weight` (a mixture's sources
     weighed as the check weighs them: documents.source_balance); the loss is unchanged.
+    loss_row_weight: per prepared row, a factor on its blocks' slot weights, i.e. on the loss
+    (`objective.balance_sources`: every source of a mixture counts as much in the loss).
     """
     packed = pack_documents(docs, pin_memory=pin_memory)
     starts = [0]
@@ -107,6 +110,9 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
                             packed.doc_end[anchors], block_size, labels)
     valid, _ = labelled_slots(anchors, packed.loss_mask, packed.doc_end[anchors], block_size)
     weights = slot_weights(block_size, gamma)[None, :].expand_as(valid) * valid
+    if loss_row_weight:
+        per_block = [torch.full((a.numel(),), loss_row_weight[row]) for a, row in zip(per_doc, rows, strict=True)]
+        weights = weights * torch.cat(per_block)[:, None]
     layout = train_layout(anchors, packed.doc_start[anchors], packed.positions, block_size, ctx_pad=context_pad)
     target_topk = None
     if packed.target_topk_ids is not None:

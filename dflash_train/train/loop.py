@@ -109,6 +109,7 @@ def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], ep
                             anchor_density=o.anchor_density.as_tuple() if o.anchor_density else None,
                             epoch=epoch, gamma=o.gamma, pin_memory=device.type == "cuda",
                             context_pad=recipe.batch.tokens_per_microbatch, row_weight=row_weight,
+                            loss_row_weight=row_weight if o.balance_sources else None,
                             anchors=[anchor_candidates(d.loss_mask) for d in docs] if every_anchor else None)
 
 

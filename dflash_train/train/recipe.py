@@ -160,6 +160,9 @@ class ObjectiveConfig(_Section):
     # right: what greedy verification needs to reach slot k. One more LM-head forward a step. The check's loss
     # (val/, fit/) stays the plain weighted loss, so it compares across settings
     prefix_weighting: bool = False
+    # a mixture's sources count alike in the loss: each block's slot weights times rows / (sources x rows of
+    # its source), the weights the step's acceptance curve uses (documents.source_balance); false: by rows
+    balance_sources: bool = False
     # auto: compiled flex attention on a CUDA GPU, split on CPU; flex needs CUDA; dense is the reference
     attention: Literal["auto", "split", "dense", "flex"] = "auto"
     # positions per LM-head chunk; auto: 1024 on CPU, by vocabulary size on a GPU (train/loss.py)

@@ -460,3 +460,49 @@ def test_row_weight_scales_the_blocks_acceptance_weight_not_the_loss():
     expected = float((weighted.block_weight.double() * lengths).sum() / weighted.block_weight.double().sum())
     assert sb.summary()["accept_len"] == pytest.approx(expected)
     assert float(sb.block_weight) == pytest.approx(float(weighted.block_weight.sum()))
+
+
+def test_loss_row_weight_scales_each_documents_slot_weights_and_so_the_loss():
+    """objective.balance_sources: a row's factor multiplies its blocks' slot weights; the loss is then the
+    weighted mean with those weights (checked against per-block cross-entropies computed here)."""
+    model = tiny_model(layers=1)
+    docs = random_docs([20, 31])
+    kw = dict(block_size=4, anchors_per_document=5, labels="greedy", seed=0, epoch=0)
+    plain = build_microbatch(docs, [7, 9], **kw)
+    weighted = build_microbatch(docs, [7, 9], loss_row_weight={7: 0.5, 9: 3.0}, **kw)
+    assert torch.equal(plain.anchors, weighted.anchors) and torch.equal(plain.block_weight, weighted.block_weight)
+    factor = torch.where(plain.packed.doc_ids[plain.anchors] == 0, 0.5, 3.0)
+    assert torch.allclose(weighted.weights, plain.weights * factor[:, None])
+    assert weighted.weight_sum != pytest.approx(plain.weight_sum)
+    # the weighted loss sum is each document's own sum (its blocks alone) times its factor
+    from dataclasses import replace
+
+    doc = plain.packed.doc_ids[plain.anchors][:, None]
+    own = [float(microbatch_predictions(model, replace(plain, weights=plain.weights * (doc == d)))[0]) for d in (0, 1)]
+    total = float(microbatch_predictions(model, weighted)[0])
+    assert total == pytest.approx(0.5 * own[0] + 3.0 * own[1], rel=1e-5)
+    assert float(microbatch_predictions(model, plain)[0]) == pytest.approx(own[0] + own[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_balance_sources_reaches_the_training_microbatch_only(balance):
+    """objective.balance_sources: the step's micro-batches carry the sources' balance in their slot weights;
+    the held-out check's (every position) never does."""
+    from dflash_train.train.loop import _microbatch
+    from dflash_train.train.recipe import load_recipe
+
+    docs = dict(zip([7, 9], random_docs([20, 31]), strict=True))
+
+    class Rows:  # the documents of prepared rows 7 and 9
+        def get(self, rows):
+            return [docs[r] for r in rows]
+
+    recipe = load_recipe("recipes/smollm2-135m-demo.yaml", [f"objective.balance_sources={str(balance).lower()}",
+                                                            "drafter.block_size=4"]).recipe
+    balance_of = {7: 0.5, 9: 3.0}
+    step = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"), row_weight=balance_of)
+    plain = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"))
+    factor = torch.where(step.packed.doc_ids[step.anchors] == 0, 0.5, 3.0)[:, None]
+    assert torch.allclose(step.weights, plain.weights * factor if balance else plain.weights)
+    check = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"), every_anchor=True)
+    assert float(check.weights.max()) == 1.0  # slot 1's plain weight: no balance factor

@@ -52,7 +52,7 @@ from dflash_train.train.engine import (
 from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.loss import BlockStats
 from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
-from dflash_train.train.prefetch import StepPrefetch
+from dflash_train.train.prefetch import StepPrefetch, worth_prefetching
 from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, resolve_init_from
 from dflash_train.train.run_folder import RESUME_MODES, check_output, finished_summary, past_the_end, space_needed
 
@@ -356,9 +356,10 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     window = BlockStats.zeros(recipe.drafter.block_size, world.device)
     guard, lg = FiniteGuard(world.device, recipe.optim.lr, recipe.optim.grad_clip), recipe.logging
     t_loop = time.time()
-    # step s + 1's micro-batches are built on the host while the device runs step s (train/prefetch.py)
+    # on a GPU step s + 1's micro-batches are built on the host while the device runs step s (train/prefetch.py)
     lap("setup")
-    prefetch = StepPrefetch(lambda s: step_batches(recipe, source, plan, world, s), plan.total, world.device)
+    prefetch = StepPrefetch(lambda s: step_batches(recipe, source, plan, world, s), plan.total, world.device,
+                            enabled=worth_prefetching(world.device, recipe.engine.prefetch))
     try:
         for step in range(state["step"], plan.total):
             with oom_guard(recipe, world.device):

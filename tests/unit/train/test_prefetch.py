@@ -5,8 +5,9 @@ import threading
 import time
 
 import pytest
+import torch
 
-from dflash_train.train.prefetch import StepPrefetch
+from dflash_train.train.prefetch import StepPrefetch, worth_prefetching
 
 
 def test_the_next_step_is_built_in_the_background_and_results_equal_plain_builds():
@@ -55,3 +56,9 @@ def test_disabled_builds_in_the_loops_thread():
     prefetch = StepPrefetch(lambda s: names.append(threading.current_thread().name) or s, total=3, enabled=False)
     assert [prefetch.get(s) for s in range(3)] == [0, 1, 2] and set(names) == {"MainThread"}
     prefetch.close()
+
+
+def test_prefetching_is_on_for_a_gpu_only_unless_the_recipe_says():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert not worth_prefetching(cpu) and worth_prefetching(cuda)  # auto
+    assert worth_prefetching(cpu, "on") and not worth_prefetching(cuda, "off")

@@ -67,12 +67,22 @@ class MicroBatch:
         return float(self.weights.sum())  # a host tensor: no device read
 
 
+def add_feature_noise(features: torch.Tensor, layers: int, scale: float, generator: torch.Generator) -> torch.Tensor:
+    """`features` [T, layers * H] plus U(-scale, scale) times each layer's RMS at each token: EAGLE's noise
+    on the target's hidden states, in each layer's own scale (deep layers' states are far larger)."""
+    x = features.float().view(features.shape[0], layers, -1)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.rand(x.shape, generator=generator, device=x.device).mul_(2).sub_(1).mul_(rms * scale)
+    return (x + noise).view_as(features).to(features.dtype)
+
+
 def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, anchors_per_document: int,
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
                      anchors: list[torch.Tensor] | None = None, pin_memory: bool = False,
                      anchor_density: tuple[float, int, int | None] | None = None,
                      context_pad: int | None = None, row_weight: dict[int, float] | None = None,
-                     loss_row_weight: dict[int, float] | None = None) -> MicroBatch:
+                     loss_row_weight: dict[int, float] | None = None,
+                     feature_noise: tuple[float, int] | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     Documents that carry the target's top-k (kl loss) give the micro-batch the top-k of the
@@ -87,8 +97,16 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     weighed as the check weighs them: documents.source_balance); the loss is unchanged.
     loss_row_weight: per prepared row, a factor on its blocks' slot weights, i.e. on the loss
     (`objective.balance_sources`: every source of a mixture counts as much in the loss).
+    feature_noise: (scale, feature layers): `add_feature_noise` on the packed features, seeded by (seed,
+    epoch, first row), so a resumed run sees the same noise (`objective.feature_noise`).
     """
     packed = pack_documents(docs, pin_memory=pin_memory)
+    if feature_noise and feature_noise[0] > 0 and rows:
+        g = torch.Generator(device=packed.features.device)
+        g.manual_seed(anchor_generator(seed + 1, epoch, rows[0]).initial_seed())
+        packed.features = add_feature_noise(packed.features, feature_noise[1], feature_noise[0], g)
+        if pin_memory:
+            packed.features = packed.features.pin_memory()
     starts = [0]
     for d in docs[:-1]:
         starts.append(starts[-1] + len(d))

@@ -110,6 +110,7 @@ def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], ep
                             epoch=epoch, gamma=o.gamma, pin_memory=device.type == "cuda",
                             context_pad=recipe.batch.tokens_per_microbatch, row_weight=row_weight,
                             loss_row_weight=row_weight if o.balance_sources else None,
+                            feature_noise=None if every_anchor else (o.feature_noise, recipe.drafter.num_features),
                             anchors=[anchor_candidates(d.loss_mask) for d in docs] if every_anchor else None)
 
 

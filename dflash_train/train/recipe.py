@@ -163,6 +163,9 @@ class ObjectiveConfig(_Section):
     # a mixture's sources count alike in the loss: each block's slot weights times rows / (sources x rows of
     # its source), the weights the step's acceptance curve uses (documents.source_balance); false: by rows
     balance_sources: bool = False
+    # U(-x, x) times each feature layer's RMS added to the context features of training steps (EAGLE's noise;
+    # the check reads them clean); 0: none
+    feature_noise: float = Field(0.0, ge=0)
     # auto: compiled flex attention on a CUDA GPU, split on CPU; flex needs CUDA; dense is the reference
     attention: Literal["auto", "split", "dense", "flex"] = "auto"
     # positions per LM-head chunk; auto: 1024 on CPU, by vocabulary size on a GPU (train/loss.py)

@@ -506,3 +506,57 @@ def test_balance_sources_reaches_the_training_microbatch_only(balance):
     assert torch.allclose(step.weights, plain.weights * factor if balance else plain.weights)
     check = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"), every_anchor=True)
     assert float(check.weights.max()) == 1.0  # slot 1's plain weight: no balance factor
+
+
+def test_feature_noise_is_uniform_in_each_layers_own_scale():
+    from dflash_train.train.batches import add_feature_noise
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 3, 64, generator=g) * torch.tensor([1.0, 10.0, 100.0])[None, :, None]  # 3 layers' scales
+    flat = x.reshape(512, -1)
+    noisy = add_feature_noise(flat, 3, 0.2, torch.Generator().manual_seed(1))
+    delta = (noisy - flat).view(512, 3, 64)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    assert bool((delta.abs() <= 0.2 * rms * (1 + 1e-5)).all())
+    rel = delta / (0.2 * rms)  # U(-1, 1): mean 0, std 1/sqrt(3)
+    assert abs(float(rel.mean())) < 0.02 and float(rel.std()) == pytest.approx(3 ** -0.5, rel=0.03)
+    assert torch.equal(noisy, add_feature_noise(flat, 3, 0.2, torch.Generator().manual_seed(1)))
+    half = add_feature_noise(flat.to(torch.bfloat16), 3, 0.2, torch.Generator().manual_seed(1))
+    assert half.dtype == torch.bfloat16
+
+
+def test_feature_noise_in_a_microbatch_follows_seed_and_epoch_and_leaves_the_rest():
+    docs = random_docs([20, 31])
+    kw = dict(block_size=4, anchors_per_document=5, labels="greedy", seed=0)
+    clean = build_microbatch(docs, [7, 9], epoch=0, **kw)
+    a = build_microbatch(docs, [7, 9], epoch=0, feature_noise=(0.1, 1), **kw)
+    b = build_microbatch(docs, [7, 9], epoch=0, feature_noise=(0.1, 1), **kw)
+    c = build_microbatch(docs, [7, 9], epoch=1, feature_noise=(0.1, 1), **kw)
+    assert torch.equal(a.packed.features, b.packed.features)  # a resumed run: the same noise
+    assert not torch.equal(a.packed.features, clean.packed.features)
+    assert not torch.equal(a.packed.features, build_microbatch(docs, [7, 9], epoch=1, **kw).packed.features)
+    assert not torch.equal(c.packed.features - build_microbatch(docs, [7, 9], epoch=1, **kw).packed.features,
+                           a.packed.features - clean.packed.features)  # another epoch, other noise
+    for name in ("anchors", "labels", "weights"):
+        assert torch.equal(getattr(a, name), getattr(clean, name))
+    assert torch.equal(build_microbatch(docs, [7, 9], epoch=0, feature_noise=(0.0, 1), **kw).packed.features,
+                       clean.packed.features)
+
+
+def test_feature_noise_reaches_the_training_microbatch_only():
+    from dflash_train.train.loop import _microbatch
+    from dflash_train.train.recipe import load_recipe
+
+    docs = dict(zip([7, 9], random_docs([20, 31]), strict=True))
+
+    class Rows:
+        def get(self, rows):
+            return [docs[r] for r in rows]
+
+    clean = torch.cat([docs[7].features, docs[9].features])
+    recipe = load_recipe("recipes/smollm2-135m-demo.yaml", ["objective.feature_noise=0.1", "drafter.num_features=1",
+                                                            "drafter.target_layer_ids=[9]"]).recipe
+    step = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"))
+    check = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"), every_anchor=True)
+    assert torch.equal(check.packed.features, clean) and not torch.equal(step.packed.features, clean)
+    assert float((step.packed.features - clean).abs().max()) <= 0.1 * float(clean.pow(2).mean(-1).sqrt().max())

@@ -26,7 +26,7 @@ RECIPE = ROOT / "recipes" / "smollm2-135m-demo.yaml"
 def steps_seconds(prefetch: str, steps: int, sets: list[str], out: Path) -> float:
     """One `dflash-train train` run of `steps` steps (no checks, no eval); its steps stage in seconds."""
     shutil.rmtree(out, ignore_errors=True)
-    overrides = [f"engine.prefetch={prefetch}", f"optim.max_steps={steps}", "logging.eval_every=1000000",
+    overrides = [f"engine.prefetch={'true' if prefetch == 'on' else 'false'}", f"optim.max_steps={steps}", "logging.eval_every=1000000",
                  "logging.progress=false", "eval.enabled=false", "data.features=offline", *sets]
     cmd = [str(Path(sys.executable).with_name("dflash-train")), "train", "--config", str(RECIPE), "--output", str(out),
            *[a for o in overrides for a in ("--set", o)]]

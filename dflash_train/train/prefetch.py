@@ -21,12 +21,12 @@ import torch
 T = TypeVar("T")
 
 
-def worth_prefetching(device: torch.device, setting: str = "auto") -> bool:
-    """`engine.prefetch`: on, off, or auto: whether building the next step in a background thread pays. On a
+def worth_prefetching(device: torch.device, setting: str | bool = "auto") -> bool:
+    """`engine.prefetch`: true, false, or auto: whether building the next step in a background thread pays. On a
     GPU it does (the host is free while the device runs). On a CPU the host work and the step share the
     cores, and the thread's tensor ops fight the step's OpenMP threads for them: the demo's steps took 1.20x
     as long with the thread (2 cores; `python bench/bench_prefetch.py`)."""
-    return setting == "on" or (setting == "auto" and device.type != "cpu")
+    return setting is True or (setting == "auto" and device.type != "cpu")
 
 
 class StepPrefetch(Generic[T]):

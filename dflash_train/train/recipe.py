@@ -209,7 +209,7 @@ class EngineConfig(_Section):
     activation_checkpointing: bool = False
     # build step s + 1's micro-batches in a background thread while step s runs; auto: on a GPU only (on a CPU
     # the thread and the step share the cores: the demo's step 1.20x slower with it on 2 cores)
-    prefetch: Literal["auto", "on", "off"] = "auto"
+    prefetch: Literal["auto"] | bool = "auto"
 
 
 class CheckpointConfig(_Section):

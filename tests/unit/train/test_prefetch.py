@@ -61,4 +61,14 @@ def test_disabled_builds_in_the_loops_thread():
 def test_prefetching_is_on_for_a_gpu_only_unless_the_recipe_says():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert not worth_prefetching(cpu) and worth_prefetching(cuda)  # auto
-    assert worth_prefetching(cpu, "on") and not worth_prefetching(cuda, "off")
+    assert worth_prefetching(cpu, True) and not worth_prefetching(cuda, False)
+
+
+def test_the_recipe_takes_true_false_or_auto():
+    from dflash_train.errors import ConfigError
+    from dflash_train.train.recipe import load_recipe
+
+    for value, want in (("true", True), ("false", False), ("auto", "auto")):
+        assert load_recipe("recipes/smollm2-135m-demo.yaml", [f"engine.prefetch={value}"]).recipe.engine.prefetch == want
+    with pytest.raises(ConfigError, match="engine.prefetch"):
+        load_recipe("recipes/smollm2-135m-demo.yaml", ["engine.prefetch=sometimes"])

@@ -440,12 +440,18 @@ def test_prefix_weighting_scales_each_slot_by_the_drafters_chance_of_reaching_it
         assert torch.allclose(grads_p[name], grads_r[name], rtol=tol, atol=tol * float(grads_r[name].abs().max())), name
 
 
-def test_row_weight_scales_the_blocks_acceptance_weight_not_the_loss():
-    model = tiny_model(layers=1)
+def _plain_and_weighted(**weighting):
+    """A 1-layer drafter and two documents (rows 7 and 9) as a micro-batch without and with `weighting`
+    (factors 0.5 for row 7, 3.0 for row 9)."""
     docs = random_docs([20, 31])
     kw = dict(block_size=4, anchors_per_document=5, labels="greedy", seed=0, epoch=0)
     plain = build_microbatch(docs, [7, 9], **kw)
-    weighted = build_microbatch(docs, [7, 9], row_weight={7: 0.5, 9: 3.0}, **kw)
+    weighted = build_microbatch(docs, [7, 9], **{k: {7: 0.5, 9: 3.0} for k in weighting}, **kw)
+    return tiny_model(layers=1), plain, weighted
+
+
+def test_row_weight_scales_the_blocks_acceptance_weight_not_the_loss():
+    model, plain, weighted = _plain_and_weighted(row_weight=True)
     assert torch.equal(plain.anchors, weighted.anchors) and torch.equal(plain.weights, weighted.weights)
     doc = plain.packed.doc_ids[plain.anchors]
     assert torch.allclose(weighted.block_weight, plain.block_weight * torch.where(doc == 0, 0.5, 3.0))
@@ -463,13 +469,9 @@ def test_row_weight_scales_the_blocks_acceptance_weight_not_the_loss():
 
 
 def test_loss_row_weight_scales_each_documents_slot_weights_and_so_the_loss():
-    """objective.balance_sources: a row's factor multiplies its blocks' slot weights; the loss is then the
-    weighted mean with those weights (checked against per-block cross-entropies computed here)."""
-    model = tiny_model(layers=1)
-    docs = random_docs([20, 31])
-    kw = dict(block_size=4, anchors_per_document=5, labels="greedy", seed=0, epoch=0)
-    plain = build_microbatch(docs, [7, 9], **kw)
-    weighted = build_microbatch(docs, [7, 9], loss_row_weight={7: 0.5, 9: 3.0}, **kw)
+    """objective.balance_sources: a row's factor multiplies its blocks' slot weights, so the weighted loss sum
+    is each document's own sum times its factor."""
+    model, plain, weighted = _plain_and_weighted(loss_row_weight=True)
     assert torch.equal(plain.anchors, weighted.anchors) and torch.equal(plain.block_weight, weighted.block_weight)
     factor = torch.where(plain.packed.doc_ids[plain.anchors] == 0, 0.5, 3.0)
     assert torch.allclose(weighted.weights, plain.weights * factor[:, None])

@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "smollm2-135m-demo.yaml"
 
 
-def steps_seconds(prefetch: str, steps: int, sets: list[str], out: Path) -> float:
+def steps_seconds(prefetch: bool, steps: int, sets: list[str], out: Path) -> float:
     """One `dflash-train train` run of `steps` steps (no checks, no eval); its steps stage in seconds."""
     shutil.rmtree(out, ignore_errors=True)
-    overrides = [f"engine.prefetch={'true' if prefetch == 'on' else 'false'}", f"optim.max_steps={steps}", "logging.eval_every=1000000",
+    overrides = [f"engine.prefetch={str(prefetch).lower()}", f"optim.max_steps={steps}", "logging.eval_every=1000000",
                  "logging.progress=false", "eval.enabled=false", "data.features=offline", *sets]
     cmd = [str(Path(sys.executable).with_name("dflash-train")), "train", "--config", str(RECIPE), "--output", str(out),
            *[a for o in overrides for a in ("--set", o)]]
@@ -46,7 +46,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-prefetch-") as tmp:
         for r in range(args.repeats):
             for mode in ("on", "off"):
-                times[mode].append(steps_seconds(mode, args.steps, args.sets, Path(tmp) / f"{mode}-{r}"))
+                times[mode].append(steps_seconds(mode == "on", args.steps, args.sets, Path(tmp) / f"{mode}-{r}"))
                 print(f"prefetch {mode:3s} run {r + 1}: {times[mode][-1]:.1f} s for {args.steps} steps", flush=True)
     on, off = statistics.mean(times["on"]), statistics.mean(times["off"])
     print(json.dumps({"steps": args.steps, "on_s": times["on"], "off_s": times["off"]}))

@@ -12,8 +12,7 @@ a CPU down (SmolLM2 on 2 cores: 32 rows give 72 tokens/s, 96 rows 45).
 CUDA:
 - a transformers `StaticCache` is passed to `generate`, which then runs every decode step through
   `torch.compile` (transformers' default `CompileConfig`: inductor, mode "reduce-overhead", i.e. CUDA
-  graphs); the prefill stays eager. The last cache is kept and reset when the next group has the same
-  shape, so its captured graphs stay valid. Attention is `data/gqa_decode.py`'s: a decode step reads
+  graphs); the prefill stays eager. Attention is `data/gqa_decode.py`'s: a decode step reads
   each cached K/V head once, where transformers' compiled SDPA path with a mask would repeat them.
 - a group's width (its padded prompt length) is rounded up to a ladder of two steps per octave (64, 96,
   128, 192, 256, 384, ...); its cache holds width + max_new_tokens positions. Each width gets the rows

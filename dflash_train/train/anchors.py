@@ -73,9 +73,14 @@ def sample_anchors(loss_mask: torch.Tensor, budget: int, generator: torch.Genera
     return torch.sort(cand).values
 
 
+def anchor_seed(seed: int, epoch: int, row: int) -> int:
+    """A seed determined by (seed, epoch, prepared row): resampled every epoch, resumable."""
+    return (seed * 1_000_003 + epoch) * 10_000_019 + row
+
+
 def anchor_generator(seed: int, epoch: int, row: int) -> torch.Generator:
-    """A generator determined by (seed, epoch, prepared row): resampled every epoch, resumable."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_000_019 + row)
+    """A CPU generator seeded by `anchor_seed`."""
+    return torch.Generator().manual_seed(anchor_seed(seed, epoch, row))
 
 
 def labelled_slots(anchors: torch.Tensor, loss_mask: torch.Tensor, doc_end: torch.Tensor,

@@ -27,6 +27,7 @@ from dflash_train.train.anchors import (
     anchor_budget,
     anchor_candidates,
     anchor_generator,
+    anchor_seed,
     block_labels,
     labelled_slots,
     sample_anchors,
@@ -102,8 +103,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     """
     packed = pack_documents(docs, pin_memory=pin_memory)
     if feature_noise and feature_noise[0] > 0 and rows:
-        g = torch.Generator(device=packed.features.device)
-        g.manual_seed(anchor_generator(seed + 1, epoch, rows[0]).initial_seed())
+        g = torch.Generator(device=packed.features.device).manual_seed(anchor_seed(seed + 1, epoch, rows[0]))
         packed.features = add_feature_noise(packed.features, feature_noise[1], feature_noise[0], g)
         if pin_memory:
             packed.features = packed.features.pin_memory()

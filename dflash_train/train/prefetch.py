@@ -3,8 +3,8 @@
 Building a micro-batch is host work (reading rows, packing, sampling anchors, laying out blocks, the
 pinned copy; in online mode the target's forward too): done between steps it leaves the GPU idle.
 `StepPrefetch` builds step s + 1 in one background thread as soon as step s has taken its own, so the
-loop finds it ready (on a GPU; on a CPU the loop builds each step itself: `worth_prefetching`). Which rows and anchors a step trains on depends only on (step, micro-batch, rank)
-and seeds of their own, never on when it is built, so a prefetched run trains on exactly what an
+loop finds it ready (on a GPU; on a CPU the loop builds each step itself: `worth_prefetching`).
+Which rows and anchors a step trains on depends only on (step, micro-batch, rank) and seeds of their own, never on when it is built, so a prefetched run trains on exactly what an
 unprefetched one does, and a resumed run exactly what an uninterrupted one does. Only host and
 target work happens in the thread: the collectives (the global weight's all_reduce) stay on the loop's
 thread, in the same order on every rank. An error in the thread is raised by `get`, in the loop.
@@ -22,8 +22,8 @@ T = TypeVar("T")
 
 
 def worth_prefetching(device: torch.device, setting: str | bool = "auto") -> bool:
-    """`engine.prefetch`: true, false, or auto: whether building the next step in a background thread pays. On a
-    GPU it does (the host is free while the device runs). On a CPU the host work and the step share the
+    """`engine.prefetch`: true, false, or auto: whether building the next step in a background thread
+    pays. On a GPU it does (the host is free while the device runs). On a CPU the host work and the step share the
     cores, and the thread's tensor ops fight the step's OpenMP threads for them: the demo's steps took 1.20x
     as long with the thread (2 cores; `python bench/bench_prefetch.py`)."""
     return setting is True or (setting == "auto" and device.type != "cpu")

@@ -105,7 +105,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     if feature_noise and feature_noise[0] > 0 and rows:
         g = torch.Generator(device=packed.features.device).manual_seed(anchor_seed(seed + 1, epoch, rows[0]))
         packed.features = add_feature_noise(packed.features, feature_noise[1], feature_noise[0], g)
-        if pin_memory:
+        if pin_memory and packed.features.device.type == "cpu":  # features on a GPU (online, memory) stay there
             packed.features = packed.features.pin_memory()
     starts = [0]
     for d in docs[:-1]:

@@ -192,6 +192,18 @@ def fraction_of_rows(rows: list[int], fraction: float, seed: int, labels: list[s
     return sorted(keep)
 
 
+MEMORY_SHARE = 0.4  # of a GPU's free memory that memory-mode documents may take; the steps need the rest
+
+
+def memory_home(device: torch.device, needed_bytes: int, free_bytes: int | None,
+                share: float = MEMORY_SHARE) -> torch.device:
+    """Where memory mode keeps its documents: on the target's GPU when they take at most `share` of its
+    free memory (a step then reads them there: no host copy, no pinned bounce), else in host RAM."""
+    if device.type == "cpu" or free_bytes is None or needed_bytes > share * free_bytes:
+        return torch.device("cpu")
+    return device
+
+
 class DocumentSource:
     """Documents (features + greedy tokens) for prepared rows, with the target's top-k next-token
     log-probs when `topk` is set (the kl loss)."""
@@ -208,6 +220,7 @@ class DocumentSource:
         self._memory: dict[int, Document] = {}
         self._lock = threading.Lock()
         self._extract = None
+        self.home = torch.device("cpu")  # memory mode's store; `warm` moves it to the GPU when the rows fit there
         if mode in ("online", "memory"):
             from dflash_train.features.extract import TargetFeatures
 
@@ -231,16 +244,28 @@ class DocumentSource:
             self._memory.update(computed)
         return [self._memory.get(i) or computed[i] for i in idx]
 
-    def warm(self, idx: list[int], tokens_per_batch: int = 4096, progress: bool = True) -> None:
+    def bytes_per_token(self) -> int:
+        """Memory mode's store per token: bf16 features, int64 greedy tokens, int32 + bf16 top-k."""
+        width = self.expected_dim or len(self.layer_ids) * self._extract.model.config.get_text_config().hidden_size
+        return 2 * width + 8 + (6 * self.topk if self.topk else 0)
+
+    def warm(self, idx: list[int], tokens_per_batch: int = 4096, progress: bool = True) -> torch.device | None:
         """Memory mode: compute the features of rows `idx` now, in batches of similar lengths
         (longest first, so padding is small and a too-large batch fails at once), with a progress
-        bar, instead of lazily inside the first epoch's steps."""
+        bar, instead of lazily inside the first epoch's steps. On a GPU they stay there when they fit
+        (`memory_home`): every later epoch then costs no target forward and no host copy. Returns
+        where they are kept (None outside memory mode)."""
         if self.mode != "memory":
-            return
+            return None
         from tqdm import tqdm
 
         todo = sorted({i for i in idx if i not in self._memory}, key=lambda i: (-self.lengths[i], i))
-        with tqdm(total=len(todo), desc="target features", unit="row", disable=not progress) as bar:
+        if not self._memory:  # decided once, before the first row is stored
+            device = next(self._extract.model.parameters()).device
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+            self.home = memory_home(device, sum(self.lengths[i] for i in todo) * self.bytes_per_token(), free)
+        with tqdm(total=len(todo), desc=f"target features ({self.home.type})", unit="row",
+                  disable=not progress) as bar:
             b = 0
             while b < len(todo):
                 n = max(1, tokens_per_batch // max(1, self.lengths[todo[b]]))
@@ -248,6 +273,7 @@ class DocumentSource:
                 self._memory.update(self._compute(batch))
                 bar.update(len(batch))
                 b += len(batch)
+        return self.home
 
     def _check(self, doc: Document, i: int) -> Document:
         if self.expected_dim is not None and doc.features.shape[-1] != self.expected_dim:
@@ -262,8 +288,8 @@ class DocumentSource:
     @torch.inference_mode()
     def _compute(self, idx: list[int]) -> dict[int, Document]:
         """One padded target forward over the rows (right padding keeps positions exact). Memory mode
-        keeps bf16 features (and top-k log-probs) in host RAM; online mode leaves everything on the
-        target's device."""
+        keeps bf16 features (and top-k log-probs) at `self.home` (host RAM, or the GPU `warm` chose);
+        online mode leaves everything on the target's device."""
         ids = [torch.tensor(self.rows[i]["input_ids"], dtype=torch.long) for i in idx]
         n = max(len(x) for x in ids)
         batch = torch.zeros(len(ids), n, dtype=torch.long)
@@ -279,15 +305,17 @@ class DocumentSource:
         result = {}
         memory = self.mode == "memory"
         store = torch.bfloat16 if memory else out.features.dtype
-        home = torch.device("cpu") if memory else out.features.device
+        home = self.home if memory else out.features.device
         for j, (i, x) in enumerate(zip(idx, ids, strict=False)):
             t = len(x)
             mask = torch.tensor(self.rows[i]["loss_mask"], dtype=torch.bool)
-            doc = Document(input_ids=x, loss_mask=mask, features=out.features[j, :t].to(store).to(home),
-                           greedy_next=out.next_tokens[j, :t].to(home))
+            # memory mode copies (a view kept on the target's GPU would hold the whole padded batch)
+            doc = Document(input_ids=x, loss_mask=mask,
+                           features=out.features[j, :t].to(device=home, dtype=store, copy=memory),
+                           greedy_next=out.next_tokens[j, :t].to(device=home, copy=memory))
             if self.topk:  # clone: a view would keep the whole padded batch alive
                 doc.target_topk_ids = out.topk_ids[j, :t].to(home).clone()
-                doc.target_topk_logp = out.topk_logp[j, :t].to(store).to(home).clone()
+                doc.target_topk_logp = out.topk_logp[j, :t].to(device=home, dtype=store, copy=True)
             result[i] = doc
         return result
 

@@ -31,6 +31,7 @@ from dflash_train.train.auto_dtypes import dtype_fields, resolve_auto_dtypes
 from dflash_train.train.batches import build_microbatch, head_rows, microbatch_loss
 from dflash_train.train.device import StepKernels, check_drafter_fits, oom_guard, resolve_attention, step_kernels
 from dflash_train.train.documents import (
+    MEMORY_SHARE,
     DocumentSource,
     fit_rows,
     fraction_of_rows,
@@ -310,7 +311,11 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     val_rows = validation_rows(held, labels, recipe.logging.eval_documents)
     fit_count = recipe.logging.eval_documents if recipe.logging.fit_documents is None else recipe.logging.fit_documents
     check_fit_rows = fit_rows(train_rows, labels, fit_count, recipe.data.seed) if val_rows else []
-    source.warm(train_rows + val_rows, progress=world.is_main and recipe.logging.progress)
+    home = source.warm(train_rows + val_rows, tokens_per_batch=max(4096, recipe.batch.tokens_per_microbatch),
+                       progress=world.is_main and recipe.logging.progress)
+    if home is not None and home.type != world.device.type and world.is_main:
+        notify(f"data.features: memory keeps the documents in host RAM: at {source.bytes_per_token()} bytes a token "
+               f"they take more than {MEMORY_SHARE:.0%} of the GPU's free memory (each step copies its batch over)")
     lap("features")
     drafter.activation_checkpointing = recipe.engine.activation_checkpointing
     engine, scheduler = build_engine(drafter, recipe, plan.total)

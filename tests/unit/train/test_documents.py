@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_train.target import load_target
-from dflash_train.train.documents import DocumentSource, load_rows
+from dflash_train.train.documents import MEMORY_SHARE, DocumentSource, load_rows, memory_home
 
 
 def test_warm_computes_every_row_once_and_matches_lazy_features(train_tiny_target, train_prepared, monkeypatch):
@@ -28,6 +28,34 @@ def test_warm_computes_every_row_once_and_matches_lazy_features(train_tiny_targe
         torch.testing.assert_close(g.features.float(), r.features.float(), rtol=0, atol=2e-2)  # bf16 storage
         assert torch.equal(g.greedy_next, r.greedy_next)
         assert torch.equal(g.input_ids, r.input_ids)
+
+
+def test_memory_mode_stays_on_the_gpu_only_when_its_rows_fit_in_a_share_of_free_memory():
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    free = 10 * 2**30
+    assert memory_home(gpu, int(MEMORY_SHARE * free) - 1, free) == gpu
+    assert memory_home(gpu, int(MEMORY_SHARE * free) + 1024, free) == cpu  # the steps need the rest
+    assert memory_home(gpu, 1, None) == cpu  # free memory unknown
+    assert memory_home(cpu, 1, free) == cpu
+
+
+def test_warm_stores_owned_copies_of_the_estimated_size(train_tiny_target, train_prepared):
+    """A bf16 target's features are already bf16: a row's slice of the padded batch must still be copied
+    (a view kept would hold the whole batch, on a GPU too), and the store matches bytes_per_token."""
+    model, _ = load_target(str(train_tiny_target), dtype=torch.bfloat16, device="cpu")
+    source = DocumentSource(load_rows(train_prepared), "memory", model, [1, 3, 5], target_hidden=64)
+    idx = list(range(6))
+    assert source.warm(idx, tokens_per_batch=10_000, progress=False) == torch.device("cpu")  # one padded batch
+    docs = source.get(idx)
+    lengths = {len(d) for d in docs}
+    assert len(lengths) > 1  # rows of several lengths: the batch was padded
+    stored = 0
+    for d in docs:
+        for t in (d.features, d.greedy_next):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            stored += t.numel() * t.element_size()
+    assert docs[0].features.dtype == torch.bfloat16
+    assert stored == sum(map(len, docs)) * source.bytes_per_token()
 
 
 def test_warm_is_a_no_op_outside_memory_mode(train_tiny_target, train_prepared):

@@ -50,6 +50,28 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(m[:-1] & m[1:]).flatten()
 
 
+def shared_prefix_length(rows: list[list[int]]) -> int:
+    """Tokens every row starts with (the chat template's system prompt and header), at least 1."""
+    if not rows:
+        return 1
+    first, n = rows[0], min(len(r) for r in rows)
+    for i in range(n):
+        if any(r[i] != first[i] for r in rows):
+            return max(1, i)
+    return max(1, n)
+
+
+def with_prompt_positions(doc, start: int):
+    """`doc` with its loss mask widened to every position from `start` on (`objective.positions: all`):
+    the prompt's tokens after the shared template prefix become anchors and labelled slots too. Their
+    labels must be the target's greedy tokens (what it would say there), never the user's text."""
+    from dataclasses import replace
+
+    mask = doc.loss_mask.clone()
+    mask[start:] = True
+    return replace(doc, loss_mask=mask)
+
+
 def anchor_budget(candidates: int, per_document: int, density: tuple[float, int, int | None] | None = None) -> int:
     """Blocks to sample in a document with `candidates` anchor candidates: `per_document`, or with
     `density` = (fraction, floor, cap) ceil(fraction * candidates) clamped to [floor, cap] (cap None: no

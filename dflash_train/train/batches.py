@@ -32,6 +32,7 @@ from dflash_train.train.anchors import (
     labelled_slots,
     sample_anchors,
     slot_weights,
+    with_prompt_positions,
 )
 from dflash_train.train.loss import (
     BlockStats,
@@ -83,7 +84,8 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
                      anchor_density: tuple[float, int, int | None] | None = None,
                      context_pad: int | None = None, row_weight: dict[int, float] | None = None,
                      loss_row_weight: dict[int, float] | None = None,
-                     feature_noise: tuple[float, int] | None = None) -> MicroBatch:
+                     feature_noise: tuple[float, int] | None = None,
+                     prompt_from: int | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     Documents that carry the target's top-k (kl loss) give the micro-batch the top-k of the
@@ -100,7 +102,13 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     (`objective.balance_sources`: every source of a mixture counts as much in the loss).
     feature_noise: (scale, feature layers): `add_feature_noise` on the packed features, seeded by (seed,
     epoch, first row), so a resumed run sees the same noise (`objective.feature_noise`).
+    prompt_from: also train every prompt position from this one on (`objective.positions: all`; the rows'
+    shared template prefix, anchors.shared_prefix_length), on the target's greedy labels.
     """
+    if prompt_from is not None:
+        if labels != "greedy":
+            raise ValueError("prompt positions train on the target's greedy tokens: labels must be greedy")
+        docs = [with_prompt_positions(d, prompt_from) for d in docs]
     packed = pack_documents(docs, pin_memory=pin_memory)
     if feature_noise and feature_noise[0] > 0 and rows:
         g = torch.Generator(device=packed.features.device).manual_seed(anchor_seed(seed + 1, epoch, rows[0]))

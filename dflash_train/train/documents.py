@@ -26,6 +26,7 @@ import torch
 
 from dflash_train.data.packing import Document
 from dflash_train.errors import DataError, MissingDependencyError
+from dflash_train.train.anchors import shared_prefix_length
 from dflash_train.train.recipe import DataConfig
 
 
@@ -220,6 +221,7 @@ class DocumentSource:
         self._memory: dict[int, Document] = {}
         self._lock = threading.Lock()
         self._extract = None
+        self._prompt_start: int | None = None
         self.home = torch.device("cpu")  # memory mode's store; `warm` moves it to the GPU when the rows fit there
         if mode in ("online", "memory"):
             from dflash_train.features.extract import TargetFeatures
@@ -228,6 +230,12 @@ class DocumentSource:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def prompt_start(self) -> int:
+        """The first position after the template prefix all rows share (`objective.positions: all`)."""
+        if self._prompt_start is None:
+            self._prompt_start = shared_prefix_length(list(self.rows["input_ids"]))
+        return self._prompt_start
 
     def get(self, idx: list[int]) -> list[Document]:
         """Documents of rows `idx`. One caller at a time (the loop and its prefetch thread): the target's

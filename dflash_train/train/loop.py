@@ -112,6 +112,7 @@ def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], ep
                             context_pad=recipe.batch.tokens_per_microbatch, row_weight=row_weight,
                             loss_row_weight=row_weight if o.balance_sources else None,
                             feature_noise=None if every_anchor else (o.feature_noise, recipe.drafter.num_features),
+                            prompt_from=source.prompt_start() if o.positions == "all" and not every_anchor else None,
                             anchors=[anchor_candidates(d.loss_mask) for d in docs] if every_anchor else None)
 
 

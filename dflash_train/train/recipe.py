@@ -166,6 +166,10 @@ class ObjectiveConfig(_Section):
     # U(-x, x) times each feature layer's RMS added to the context features of training steps (EAGLE's noise;
     # the check reads them clean); 0: none
     feature_noise: float = Field(0.0, ge=0)
+    # which positions train: answers (the loss mask); all: the prompts' too, after the template prefix every
+    # row shares, labelled with the target's greedy tokens (labels: greedy). The features of prompt tokens are
+    # computed anyway: more positions from the same rows. The check (val/, fit/) stays on answers
+    positions: Literal["answers", "all"] = "answers"
     # auto: compiled flex attention on a CUDA GPU, split on CPU; flex needs CUDA; dense is the reference
     attention: Literal["auto", "split", "dense", "flex"] = "auto"
     # positions per LM-head chunk; auto: 1024 on CPU, by vocabulary size on a GPU (train/loss.py)
@@ -176,6 +180,13 @@ class ObjectiveConfig(_Section):
     # the draft layers' RMSNorm, SwiGLU and RoPE; auto: fused compiled kernels on a CUDA GPU below ZeRO-3,
     # eager otherwise (model/fused_ops.py)
     layer_kernels: Literal["auto", "eager", "compiled"] = "auto"
+
+    @model_validator(mode="after")
+    def _prompt_labels(self) -> ObjectiveConfig:
+        if self.positions == "all" and self.labels != "greedy":
+            raise ValueError("objective.positions: all trains on prompt tokens, whose dataset labels are the user's "
+                             "text, not the target's; set objective.labels: greedy (or positions: answers)")
+        return self
 
 
 class OptimConfig(_Section):

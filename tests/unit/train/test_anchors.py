@@ -38,3 +38,13 @@ def test_anchor_budget_count_or_density_with_floor_and_cap():
     assert anchor_budget(400, 16, (0.25, 4, 48)) == 48  # the cap
     assert anchor_budget(400, 16, (0.25, 1, None)) == 100  # no cap
     assert anchor_budget(40, 16, (0.1, 1, None)) == 4  # exact products stay exact (no ceil(4.0000001) = 5)
+
+
+def test_shared_prefix_length_is_the_template_every_row_starts_with():
+    from dflash_train.train.anchors import shared_prefix_length
+
+    rows = [[1, 2, 3, 9, 9], [1, 2, 3, 7], [1, 2, 3, 9]]
+    assert shared_prefix_length(rows) == 3
+    assert shared_prefix_length(rows + [[1, 5]]) == 1  # ... and no more
+    assert shared_prefix_length([[4, 2], [5, 2]]) == 1  # position 0 has no context: never an anchor
+    assert shared_prefix_length([[1, 2, 3]]) == 3

@@ -562,3 +562,44 @@ def test_feature_noise_reaches_the_training_microbatch_only():
     check = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"), every_anchor=True)
     assert torch.equal(check.packed.features, clean) and not torch.equal(step.packed.features, clean)
     assert float((step.packed.features - clean).abs().max()) <= 0.1 * float(clean.pow(2).mean(-1).sqrt().max())
+
+
+def test_prompt_positions_train_after_the_shared_prefix_on_greedy_labels():
+    docs = random_docs([30, 24], seed=3)  # answers from n // 3: positions 10.. and 8..
+    kw = dict(block_size=4, anchors_per_document=1000, labels="greedy", seed=0, epoch=0)
+    answers = build_microbatch(docs, [0, 1], **kw)
+    every = build_microbatch(docs, [0, 1], prompt_from=4, **kw)
+    starts = every.packed.doc_start[every.anchors]
+    local = (every.anchors - starts).tolist()
+    assert sorted(set(local)) == list(range(4, 29))  # every position from 4 to the one before the last
+    assert min((answers.anchors - answers.packed.doc_start[answers.anchors]).tolist()) == 8
+    for n, a in enumerate(every.anchors.tolist()):  # prompt slots carry the target's greedy token, not the text
+        for k in range(1, 4):
+            if a + k < int(every.packed.doc_end[a]):
+                assert every.labels[n, k] == every.packed.greedy_next[a + k - 1]
+    assert torch.equal(docs[0].loss_mask, random_docs([30, 24], seed=3)[0].loss_mask)  # the documents are untouched
+    with pytest.raises(ValueError, match="greedy"):
+        build_microbatch(docs, [0, 1], prompt_from=4, **{**kw, "labels": "dataset"})
+
+
+def test_prompt_positions_reach_the_training_microbatch_only():
+    from dflash_train.train.loop import _microbatch
+    from dflash_train.train.recipe import ConfigError, load_recipe
+
+    docs = dict(zip([7, 9], random_docs([20, 31]), strict=True))
+
+    class Rows:
+        def get(self, rows):
+            return [docs[r] for r in rows]
+
+        def prompt_start(self):
+            return 2
+
+    recipe = load_recipe("recipes/smollm2-135m-demo.yaml", ["objective.positions=all", "objective.labels=greedy",
+                                                            "objective.anchors_per_document=1000"]).recipe
+    step = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"))
+    check = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"), every_anchor=True)
+    first = lambda mb: int((mb.anchors - mb.packed.doc_start[mb.anchors]).min())  # noqa: E731
+    assert first(step) == 2 and first(check) == 20 // 3
+    with pytest.raises(ConfigError, match="objective.labels: greedy"):
+        load_recipe("recipes/smollm2-135m-demo.yaml", ["objective.positions=all"])

@@ -8,9 +8,11 @@ therefore gets this optimizer with DeepSpeed's bf16 mode and its gradient clippi
 
 1. the model's gradients (bf16 under `engine.precision: bf16`) are cast to fp32 master gradients,
 2. the global gradient norm and the clip factor min(1, clip / (norm + 1e-6)) stay tensors on the
-   device (`torch.nn.utils.get_total_norm`, then one multi-tensor multiply; no comparison on the host),
-3. AdamW updates the fp32 masters: `fused=True` (one kernel for all tensors) on CUDA and CPU; the
-   multi-tensor `foreach` path elsewhere (the meta device of the no-host-read test),
+   device (`torch.nn.utils.get_total_norm`; no comparison on the host),
+3. AdamW updates the fp32 masters: `fused=True` (one kernel for all tensors) on CUDA and CPU, which
+   applies the clip as its `grad_scale` (the gradient divided by 1 / factor as the kernel reads it, the
+   hook torch's GradScaler uses): no pass of its own; the multi-tensor `foreach` path elsewhere (the meta
+   device of the no-host-read test) multiplies the gradients first,
 4. the masters are copied back into the model's weights.
 
 With fp32 weights (`fp32`, `bf16-mixed`) the masters are the weights themselves. The masters are part of
@@ -61,13 +63,17 @@ class DeviceAdamW(torch.optim.AdamW):
         if self.grad_clip > 0 and live:
             grads = [m.grad for m in live]
             norm = torch.nn.utils.get_total_norm(grads)  # foreach where the device has it
-            coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no comparison on the host
-            if all(g.device.type in FUSED_DEVICES for g in grads):
-                torch._foreach_mul_(grads, coef)
-            else:
-                for g in grads:
-                    g.mul_(coef)
             self._global_grad_norm = norm
+            if self.defaults.get("fused"):  # the kernel divides each gradient by grad_scale as it reads it:
+                # the clip costs no pass of its own over the fp32 gradients (~8 bytes a parameter)
+                self.grad_scale = ((norm + 1e-6) / self.grad_clip).clamp(min=1.0).to(torch.float32)
+            else:
+                coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no comparison on the host
+                if all(g.device.type in FUSED_DEVICES for g in grads):
+                    torch._foreach_mul_(grads, coef)
+                else:
+                    for g in grads:
+                        g.mul_(coef)
         loss = super().step(closure)
         if self.separate and pairs:
             model, master = [p for p, _ in pairs], [m for _, m in pairs]

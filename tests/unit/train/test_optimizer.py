@@ -48,6 +48,29 @@ def test_device_adamw_equals_torch_adamw_after_torch_clip(clip):
     assert all(p.grad is None for p in ours)
 
 
+def test_the_fused_step_clips_inside_adamws_kernel_without_a_pass_of_its_own(monkeypatch):
+    """The fused kernel applies the clip as its grad_scale: no multi-tensor multiply over the gradients, and
+    the same weights as torch's clip; the foreach path (no fused kernel) multiplies."""
+    calls = []
+    real = torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    results = {}
+    for fused in (True, False):
+        ps = _params()
+        opt = DeviceAdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=0.5, fp32_masters=False)
+        opt.defaults["fused"] = fused or None
+        for group in opt.param_groups:
+            group["fused"], group["foreach"] = fused or None, not fused
+        calls.clear()
+        for p, g in zip(ps, _grads(ps, 0), strict=True):
+            p.grad = g
+        opt.step()
+        results[fused] = (ps, len(calls))
+    assert results[True][1] == 0 and results[False][1] >= 1
+    for a, b in zip(results[True][0], results[False][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_bf16_weights_step_on_fp32_masters_and_resume_exactly():
     """bf16 weights (engine.precision bf16 without ZeRO): the update is computed on fp32 masters taken
     before the cast, so steps smaller than bf16's resolution still accumulate; the weights are the

@@ -166,9 +166,8 @@ class ObjectiveConfig(_Section):
     # U(-x, x) times each feature layer's RMS added to the context features of training steps (EAGLE's noise;
     # the check reads them clean); 0: none
     feature_noise: float = Field(0.0, ge=0)
-    # which positions train: answers (the loss mask); all: the prompts' too, after the template prefix every
-    # row shares, labelled with the target's greedy tokens (labels: greedy). The features of prompt tokens are
-    # computed anyway: more positions from the same rows. The check (val/, fit/) stays on answers
+    # answers: the loss mask's; all: also the prompts' after the template prefix all rows share, on the target's
+    # greedy tokens (labels: greedy; docs/training.md). The check (val/, fit/) stays on answers
     positions: Literal["answers", "all"] = "answers"
     # auto: compiled flex attention on a CUDA GPU, split on CPU; flex needs CUDA; dense is the reference
     attention: Literal["auto", "split", "dense", "flex"] = "auto"
@@ -184,8 +183,7 @@ class ObjectiveConfig(_Section):
     @model_validator(mode="after")
     def _prompt_labels(self) -> ObjectiveConfig:
         if self.positions == "all" and self.labels != "greedy":
-            raise ValueError("objective.positions: all trains on prompt tokens, whose dataset labels are the user's "
-                             "text, not the target's; set objective.labels: greedy (or positions: answers)")
+            raise ValueError("objective.positions: all needs objective.labels: greedy (prompts hold the user's text)")
         return self
 
 

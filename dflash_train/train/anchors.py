@@ -10,6 +10,7 @@ mask carry no loss (label -100).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -65,8 +66,6 @@ def with_prompt_positions(doc, start: int):
     """`doc` with its loss mask widened to every position from `start` on (`objective.positions: all`):
     the prompt's tokens after the shared template prefix become anchors and labelled slots too. Their
     labels must be the target's greedy tokens (what it would say there), never the user's text."""
-    from dataclasses import replace
-
     mask = doc.loss_mask.clone()
     mask[start:] = True
     return replace(doc, loss_mask=mask)

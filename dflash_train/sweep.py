@@ -81,6 +81,11 @@ def eval_path(run: Path) -> Path:
     return run.with_name(f"{run.name}.eval.json")
 
 
+def replay_path(run: Path) -> Path:
+    """A run's replay report (greedy serving on every held-out row), beside the run folder."""
+    return run.with_name(f"{run.name}.replay.json")
+
+
 def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant, fraction: float,
                  num_prompts: int, max_new_tokens: int, target: str | None = None,
                  seed: int | None = None) -> list[Stage]:
@@ -97,6 +102,10 @@ def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant
                        *(["--target", target] if target else []),
                        "--num-prompts", str(num_prompts), "--max-new-tokens", str(max_new_tokens), "--no-speedup",
                        "--json", str(eval_path(run)), "--overwrite"], done=eval_path(run)),
+        # every held-out row, every answer token: the measure a difference between runs is read from
+        Stage("replay", [command_path("dflash-train"), "replay", "--draft", str(run), "--rows", str(run),
+                         *(["--target", target] if target else []), "--json", str(replay_path(run)),
+                         "--overwrite"], done=replay_path(run)),
     ]
 
 
@@ -117,8 +126,31 @@ def run_result(run: Path, variant: Variant, fraction: float, seconds: dict, seed
         "prompts": len(report.get("prompts", [])),
         "teacher_forced_at_decode_steps": tf.get("at_decode_steps"),
         "train_seconds": summary.get("wall_time_s") or seconds.get("train"), "run": str(run),
-        "eval": str(eval_path(run)),
+        "eval": str(eval_path(run)), "replay": replay_result(replay_path(run)),
     }
+
+
+def replay_result(path: Path) -> dict | None:
+    """tau, its error and per source from a run's replay report (None for a run swept before replays)."""
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    return {"report": str(path), "tau": report["tau"], "tau_se": report["tau_se"], "rows": report["rows"],
+            "every_position": report["every_position"],
+            "by_source": {k: v["tau"] for k, v in report["per_source"].items()}}
+
+
+def against_baseline(results: list[dict]) -> None:
+    """Each run's replayed tau minus the baseline's of the same fraction and seed, paired over the rows
+    (`replay.vs_baseline`: diff and its standard error)."""
+    from dflash_train.eval.replay import paired_difference
+
+    base = {(r["fraction"], r["seed"]): r for r in results if r["variant"] == "baseline" and r.get("replay")}
+    for r in results:
+        b = base.get((r["fraction"], r["seed"]))
+        if r.get("replay") and b is not None and r is not b:
+            reports = [json.loads(Path(x["replay"]["report"]).read_text()) for x in (r, b)]
+            r["replay"]["vs_baseline"] = paired_difference(*reports)
 
 
 def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list[str] | None = None,
@@ -162,6 +194,7 @@ def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list
                         run_stage(stage, log, prefix=tag)
                     run = run_folder(out, variant, fraction, seed)
                     results.append(run_result(run, variant, fraction, {s.name: s.seconds for s in stages}, seed))
+    against_baseline(results)
     from dflash_train.machine import machine_facts
 
     sweep = {"recipe": str(recipe), "overrides": overrides or [], "seeds": seeds, "num_prompts": num_prompts,
@@ -190,6 +223,8 @@ def across_seeds(results: list[dict]) -> list[dict]:
                      "seeds": [r.get("seed") for r in runs], "tau": _mean_and_range([r["tau"] for r in runs]),
                      "tau_by_source": {s: _mean_and_range([r["tau_by_source"][s] for r in runs
                                                            if s in r["tau_by_source"]]) for s in sources},
+                     "replay_tau": _mean_and_range([r["replay"]["tau"] for r in runs]) if all(
+                         r.get("replay") for r in runs) else None,
                      "train_seconds": sum(r["train_seconds"] or 0 for r in runs) / len(runs)})
     return rows
 
@@ -198,13 +233,23 @@ def _setting(r: dict) -> str:
     return r["variant"] + ("" if r["fraction"] == 1 else f" ({r['fraction']:g} of the rows)")
 
 
+def replay_cells(replay: dict | None) -> list[str]:
+    """`1.583 ± 0.054` and `+0.032 ± 0.016` (the paired difference to the baseline), `-` where missing."""
+    if not replay:
+        return ["-", "-"]
+    se = "" if replay["tau_se"] is None else f" ± {replay['tau_se']:.3f}"
+    vs = replay.get("vs_baseline")
+    return [f"{replay['tau']:.3f}{se}",
+            "-" if not vs else f"{vs['diff']:+.3f}" + ("" if vs["se"] is None else f" ± {vs['se']:.3f}")]
+
+
 def markdown_table(sweep: dict) -> str:
     """One row per run; with several seeds, a second table of each setting's mean and spread over its seeds."""
     results = sweep["runs"]
     sources = sources_of(results)
     head = ["setting", "overrides", "train rows", "steps", "train min", "val accept len",
             "the same on training rows", "tau (all)",
-            *[f"tau {s}" for s in sources]]
+            *[f"tau {s}" for s in sources], "replayed tau ± se", "vs baseline (paired)"]
 
     def num(x, f="{:.2f}"):
         return "-" if x is None else f.format(x)
@@ -214,7 +259,8 @@ def markdown_table(sweep: dict) -> str:
         name = _setting(r) + ("" if r.get("seed") is None else f", seed {r['seed']}")
         cells = [name, " ".join(f"`{o}`" for o in r["overrides"]) or "-", str(r["train_rows"]), str(r["steps"]),
                  num(r["train_seconds"] and r["train_seconds"] / 60, "{:.1f}"), num(r["val_accept_len"]),
-                 num(r.get("fit_accept_len")), num(r["tau"]), *[num(r["tau_by_source"].get(s)) for s in sources]]
+                 num(r.get("fit_accept_len")), num(r["tau"]), *[num(r["tau_by_source"].get(s)) for s in sources],
+                 *replay_cells(r.get("replay"))]
         lines.append("| " + " | ".join(cells) + " |")
     if not any(r.get("seed") is not None for r in results):
         return "\n".join(lines) + "\n"
@@ -223,11 +269,12 @@ def markdown_table(sweep: dict) -> str:
         return "-" if not m else f"{m['mean']:.3f} ({m['lo']:.3f}-{m['hi']:.3f})"
 
     lines += ["", "Across seeds: mean (lowest-highest).", "",
-              "| setting | seeds | train min | tau (all) | " + " | ".join(f"tau {s}" for s in sources) + " |",
-              "|" + "---|" * (4 + len(sources))]
+              "| setting | seeds | train min | tau (all) | " + " | ".join(f"tau {s}" for s in sources)
+              + " | replayed tau |", "|" + "---|" * (5 + len(sources))]
     for g in across_seeds(results):
         lines.append(f"| {_setting(g)} | {', '.join(str(x) for x in g['seeds'])} | {g['train_seconds'] / 60:.1f} | "
-                     f"{spread(g['tau'])} | " + " | ".join(spread(g["tau_by_source"].get(s)) for s in sources) + " |")
+                     f"{spread(g['tau'])} | " + " | ".join(spread(g["tau_by_source"].get(s)) for s in sources)
+                     + f" | {spread(g['replay_tau'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -62,6 +62,11 @@ logging: {{log_every: 1, eval_every: 100, progress: false}}
         assert [p["source"] for p in report["prompts"]] == ["chat", "math", "chat", "math"]
         assert set(r["tau_by_source"]) == {"chat", "math"} and 1.0 <= r["tau"] <= 4.0
         assert r["tau_by_source"] == {k: v["tau"] for k, v in report["per_source"].items()}
+    for r in runs.values():  # every held-out row replayed (8 rows here, more than the eval's 4 prompts)
+        replay = json.loads(Path(r["replay"]["report"]).read_text())
+        assert r["replay"]["rows"] == replay["rows"] == len(held) and r["replay"]["tau"] == replay["tau"]
+        assert {row["row"] for row in replay["per_row"]} == set(held) and 1.0 <= replay["tau"] <= 4.0
+        assert "vs_baseline" not in r["replay"]  # both runs are baselines (of two fractions)
     assert runs["baseline", 0.5]["steps"] < runs["baseline", 1.0]["steps"]
     assert "train_fraction: 0.5" in (out / "baseline-f0.5" / "resolved_config.yaml").read_text()
     table = (out / "sweep.md").read_text().splitlines()
@@ -72,7 +77,7 @@ logging: {{log_every: 1, eval_every: 100, progress: false}}
     # a rerun trains nothing: every stage is cached, and the table is the same
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("cached") == 4 and " ok in " not in again.stdout
+    assert again.stdout.count("cached") == 6 and " ok in " not in again.stdout
     assert json.loads((out / "sweep.json").read_text())["runs"] == sweep["runs"]
 
 
@@ -94,8 +99,8 @@ def test_bad_variants_and_fractions_are_named():
 def test_a_variant_trains_with_its_overrides_after_the_shared_ones(tmp_path):
     from dflash_train.sweep import Variant, eval_path, sweep_stages
 
-    train, ev = sweep_stages(tmp_path, Path("r.yaml"), ["optim.epochs=2"], Variant("kl", ("objective.loss=kl",)),
-                             0.25, 24, 64, target="/t")
+    train, ev, replay = sweep_stages(tmp_path, Path("r.yaml"), ["optim.epochs=2"],
+                                     Variant("kl", ("objective.loss=kl",)), 0.25, 24, 64, target="/t")
     run = tmp_path / "kl-f0.25"
     assert train.argv[1:] == ["train", "--config", "r.yaml", "--output", str(run), "--set", "data.features=offline",
                               "--set", "eval.enabled=false", "--set", "optim.epochs=2", "--set", "objective.loss=kl",
@@ -103,6 +108,9 @@ def test_a_variant_trains_with_its_overrides_after_the_shared_ones(tmp_path):
     assert train.done == run / "summary.json" and ev.done == eval_path(run) == tmp_path / "kl-f0.25.eval.json"
     assert ev.argv[1:] == ["eval", "--draft", str(run), "--prompts", str(run), "--target", "/t", "--num-prompts", "24",
                            "--max-new-tokens", "64", "--no-speedup", "--json", str(ev.done), "--overwrite"]
+    assert replay.done == tmp_path / "kl-f0.25.replay.json"
+    assert replay.argv[1:] == ["replay", "--draft", str(run), "--rows", str(run), "--target", "/t", "--json",
+                               str(replay.done), "--overwrite"]
 
 
 def test_the_table_has_a_column_per_source(tmp_path):
@@ -114,9 +122,9 @@ def test_the_table_has_a_column_per_source(tmp_path):
                                                  "tau_by_source": {"chat": 2.0}}]}
     lines = markdown_table(sweep).splitlines()
     assert lines[0] == ("| setting | overrides | train rows | steps | train min | val accept len "
-                        "| the same on training rows | tau (all) | tau chat | tau code |")
-    assert lines[2] == "| baseline (0.5 of the rows) | - | 100 | 40 | 1.5 | 2.00 | 2.25 | 1.50 | 1.75 | 1.25 |"
-    assert lines[3].endswith("| 1.90 | 2.00 | - |")
+                        "| the same on training rows | tau (all) | tau chat | tau code | replayed tau ± se | vs baseline (paired) |")
+    assert lines[2] == "| baseline (0.5 of the rows) | - | 100 | 40 | 1.5 | 2.00 | 2.25 | 1.50 | 1.75 | 1.25 | - | - |"
+    assert lines[3].endswith("| 1.90 | 2.00 | - | - | - |")
     write_outputs(tmp_path, sweep)
     assert json.loads((tmp_path / "sweep.json").read_text()) == sweep
     assert (tmp_path / "sweep.md").read_text() == markdown_table(sweep) and (tmp_path / "sweep.png").is_file()
@@ -135,7 +143,8 @@ def test_seeds_are_parsed_and_named():
 def test_a_seeded_run_sets_its_seed_last_and_has_its_own_folder(tmp_path):
     from dflash_train.sweep import Variant, eval_path, sweep_stages
 
-    train, ev = sweep_stages(tmp_path, Path("r.yaml"), [], Variant("g", ("objective.gamma=2",)), 1.0, 24, 64, seed=3)
+    train, ev, _ = sweep_stages(tmp_path, Path("r.yaml"), [], Variant("g", ("objective.gamma=2",)), 1.0, 24, 64,
+                                seed=3)
     run = tmp_path / "g-f1-s3"
     assert train.argv[train.argv.index("--output") + 1] == str(run)
     assert train.argv[-4:] == ["--set", "seed=3", "--resume", "auto"]
@@ -169,9 +178,46 @@ def test_the_table_reports_each_settings_mean_and_spread_over_seeds(tmp_path):
     assert groups[1]["tau_by_source"]["chat"]["hi"] == 2.0 and groups[0]["train_seconds"] == pytest.approx(660)
     lines = markdown_table({"runs": runs}).splitlines()
     assert lines[2].startswith("| baseline, seed 0 | - | 100 |")
-    assert "| baseline | 0, 1 | 11.0 | 1.550 (1.500-1.600) | 1.800 (1.750-1.850) | 1.300 (1.250-1.350) |" in lines
-    assert "| g2 | 0, 1 | 11.0 | 1.550 (1.400-1.700) | 1.800 (1.600-2.000) | 1.300 (1.200-1.400) |" in lines
+    assert "| baseline | 0, 1 | 11.0 | 1.550 (1.500-1.600) | 1.800 (1.750-1.850) | 1.300 (1.250-1.350) | - |" in lines
+    assert "| g2 | 0, 1 | 11.0 | 1.550 (1.400-1.700) | 1.800 (1.600-2.000) | 1.300 (1.200-1.400) | - |" in lines
     # one run per setting, no seeds: the table has no second part
     assert "Across seeds" not in markdown_table({"runs": [{**runs[0], "seed": None}]})
     write_outputs(tmp_path, {"runs": [*runs, *[{**r, "fraction": 0.5} for r in runs]]})
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_each_run_is_compared_with_the_baseline_of_its_seed_on_the_same_rows(tmp_path):
+    from dflash_train.eval.replay import paired_difference, tau_with_error
+    from dflash_train.sweep import across_seeds, markdown_table, replay_result
+
+    def report(name, steps):
+        per_row = [{"row": i, "source": "chat", "tokens": 40, "steps": s} for i, s in enumerate(steps)]
+        body = {**tau_with_error(per_row), "per_row": per_row, "every_position": 1.8,
+                "per_source": {"chat": tau_with_error(per_row)}}
+        path = tmp_path / f"{name}.replay.json"
+        path.write_text(json.dumps(body))
+        return path, body
+
+    def run(variant, seed, steps):
+        path, body = report(f"{variant}-{seed}", steps)
+        return {"variant": variant, "overrides": [], "fraction": 1.0, "seed": seed, "train_rows": 100, "steps": 40,
+                "train_seconds": 60.0, "val_accept_len": 2.0, "fit_accept_len": 2.1, "tau": 1.5,
+                "tau_by_source": {"chat": 1.5}, "replay": replay_result(path)}, body
+
+    (b0, rb0), (b1, rb1) = run("baseline", 0, [30, 20, 25, 35]), run("baseline", 1, [28, 22, 25, 33])
+    (g0, rg0), (g1, rg1) = run("g2", 0, [29, 19, 25, 33]), run("g2", 1, [28, 21, 24, 30])
+    from dflash_train.sweep import against_baseline
+
+    results = [b0, b1, g0, g1]
+    against_baseline(results)
+    assert g0["replay"]["vs_baseline"] == paired_difference(rg0, rb0)  # seed 0 against seed 0
+    assert g1["replay"]["vs_baseline"] == paired_difference(rg1, rb1)
+    assert g0["replay"]["vs_baseline"]["diff"] == pytest.approx(160 / 106 - 160 / 110)
+    assert "vs_baseline" not in b0["replay"] and "vs_baseline" not in b1["replay"]
+    lines = markdown_table({"runs": results}).splitlines()
+    vs = g0["replay"]["vs_baseline"]
+    assert lines[4].endswith(f"| {rg0['tau']:.3f} ± {rg0['tau_se']:.3f} | {vs['diff']:+.3f} ± {vs['se']:.3f} |")
+    assert lines[2].endswith(f"| {rb0['tau']:.3f} ± {rb0['tau_se']:.3f} | - |")
+    mean = (rg0["tau"] + rg1["tau"]) / 2
+    assert across_seeds(results)[1]["replay_tau"]["mean"] == pytest.approx(mean)
+    assert replay_result(tmp_path / "missing.replay.json") is None

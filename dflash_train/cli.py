@@ -370,7 +370,10 @@ def sweep(output: Path = typer.Option(..., "--output", help="Sweep folder: one r
           seeds: Optional[str] = typer.Option(None, "--seeds", help="Train every setting once per seed, e.g. 0,1,2; "
                                               "the table adds each setting's mean and spread over them."),
           num_prompts: int = typer.Option(24, "--num-prompts", help="Held-out prompts per eval (alternating sources)."),
-          max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per eval prompt.")) -> None:
+          max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per eval prompt."),
+          decode: bool = typer.Option(True, "--decode/--no-decode", help="Decode the eval's prompts for real before "
+                                      "the replay (--no-decode: the replay alone, its tau and paired differences).")
+          ) -> None:
     """Train a recipe under several settings and data sizes; table of held-out tau per source."""
     from dflash_train.output_lock import output_lock
     from dflash_train.sweep import markdown_table, parse_fractions, parse_seeds, parse_variant, run_sweep
@@ -378,7 +381,8 @@ def sweep(output: Path = typer.Option(..., "--output", help="Sweep folder: one r
     settings = [parse_variant(v) for v in variants]  # every flag is checked before anything is written
     shares, seed_list = parse_fractions(fractions), parse_seeds(seeds)
     with output_lock(output, "--output", "sweep"):
-        result = run_sweep(output, config, overrides, settings, shares, num_prompts, max_new_tokens, seed_list)
+        result = run_sweep(output, config, overrides, settings, shares, num_prompts, max_new_tokens, seed_list,
+                           decode)
     typer.echo(markdown_table(result), nl=False)
     typer.echo(f"wrote {output / 'sweep.json'}, {output / 'sweep.md'}")
 

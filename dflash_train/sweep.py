@@ -88,14 +88,15 @@ def replay_path(run: Path) -> Path:
 
 def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant, fraction: float,
                  num_prompts: int, max_new_tokens: int, target: str | None = None,
-                 seed: int | None = None) -> list[Stage]:
+                 seed: int | None = None, decode: bool = True) -> list[Stage]:
     """`target`: the recipe's target (eval's `--target`; None: the embedded default); `seed`: the run's
-    `seed` (None: the recipe's)."""
+    `seed` (None: the recipe's); `decode`: run the eval's real decoding on `num_prompts` prompts before
+    the replay (False: the replay alone, ~4x faster on a CPU)."""
     run = run_folder(out, variant, fraction, seed)
     seeded = () if seed is None else (f"seed={seed}",)
     sets = [a for o in ("data.features=offline", "eval.enabled=false", *overrides, *variant.overrides,
                         f"data.train_fraction={fraction:g}", *seeded) for a in ("--set", o)]
-    return [
+    stages = [
         Stage("train", [command_path("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
                         *sets, "--resume", "auto"], done=run / "summary.json"),
         Stage("eval", [command_path("dflash-train"), "eval", "--draft", str(run), "--prompts", str(run),
@@ -107,18 +108,20 @@ def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant
                          *(["--target", target] if target else []), "--json", str(replay_path(run)),
                          "--overwrite"], done=replay_path(run)),
     ]
+    return stages if decode else [st for st in stages if st.name != "eval"]
 
 
 def run_result(run: Path, variant: Variant, fraction: float, seconds: dict, seed: int | None = None) -> dict:
     summary = json.loads((run / "summary.json").read_text())
-    report = json.loads(eval_path(run).read_text())
+    # a run swept with --no-decode has no eval report (one decoded in an earlier sweep keeps its own)
+    report = json.loads(eval_path(run).read_text()) if eval_path(run).is_file() else {}
     tf = report.get("teacher_forced") or {}
     return {
         "variant": variant.name, "overrides": list(variant.overrides), "fraction": fraction, "seed": seed,
         "train_rows": summary.get("train_rows"), "steps": summary.get("steps"),
         "val_accept_len": summary.get("val_accept_len"),
         "val_accept_len_by_source": summary.get("val_accept_len_by_source") or {},
-        "fit_accept_len": summary.get("fit_accept_len"), "tau": report["tau"],
+        "fit_accept_len": summary.get("fit_accept_len"), "tau": report.get("tau"),
         # the step's own at the last log (per position, and per sampled block), beside the check's fit_accept_len
         "train_accept_len": summary.get("train_accept_len"),
         "train_accept_len_per_block": summary.get("train_accept_len_per_block"),
@@ -126,7 +129,7 @@ def run_result(run: Path, variant: Variant, fraction: float, seconds: dict, seed
         "prompts": len(report.get("prompts", [])),
         "teacher_forced_at_decode_steps": tf.get("at_decode_steps"),
         "train_seconds": summary.get("wall_time_s") or seconds.get("train"), "run": str(run),
-        "eval": str(eval_path(run)), "replay": replay_result(replay_path(run)),
+        "eval": str(eval_path(run)) if report else None, "replay": replay_result(replay_path(run)),
     }
 
 
@@ -155,7 +158,8 @@ def against_baseline(results: list[dict]) -> None:
 
 def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list[str] | None = None,
               variants: list[Variant] | None = None, fractions: list[float] | None = None,
-              num_prompts: int = 24, max_new_tokens: int = 64, seeds: list[int] | None = None) -> dict:
+              num_prompts: int = 24, max_new_tokens: int = 64, seeds: list[int] | None = None,
+              decode: bool = True) -> dict:
     """Every run (skipping finished ones), then the table; returns what `OUT/sweep.json` holds."""
     from dflash_train.demo import DEMO_RECIPE
     from dflash_train.outputs import ensure_folder, folder_stamp, plan_output
@@ -188,7 +192,7 @@ def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list
             for fraction in fractions:
                 for seed in seeds or [None]:
                     stages = sweep_stages(out, recipe, overrides or [], variant, fraction, num_prompts,
-                                          max_new_tokens, targets[variant.name], seed)
+                                          max_new_tokens, targets[variant.name], seed, decode)
                     tag = f"[{variant.name} x{fraction:g}" + ("" if seed is None else f" seed {seed}") + "]"
                     for stage in stages:
                         run_stage(stage, log, prefix=tag)
@@ -198,7 +202,7 @@ def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list
     from dflash_train.machine import machine_facts
 
     sweep = {"recipe": str(recipe), "overrides": overrides or [], "seeds": seeds, "num_prompts": num_prompts,
-             "max_new_tokens": max_new_tokens, "runs": results, "machine": machine_facts()}
+             "max_new_tokens": max_new_tokens, "decode": decode, "runs": results, "machine": machine_facts()}
     write_outputs(out, sweep)
     return sweep
 
@@ -207,7 +211,14 @@ def sources_of(results: list[dict]) -> list[str]:
     return sorted({s for r in results for s in r["tau_by_source"]})
 
 
-def _mean_and_range(values: list[float]) -> dict:
+def replay_sources_of(results: list[dict]) -> list[str]:
+    return sorted({s for r in results for s in (r.get("replay") or {}).get("by_source", {})})
+
+
+def _mean_and_range(values: list[float | None]) -> dict | None:
+    """Mean, lowest and highest; None when a value is missing (a run without that measure)."""
+    if not values or any(v is None for v in values):
+        return None
     return {"mean": sum(values) / len(values), "lo": min(values), "hi": max(values)}
 
 
@@ -223,8 +234,9 @@ def across_seeds(results: list[dict]) -> list[dict]:
                      "seeds": [r.get("seed") for r in runs], "tau": _mean_and_range([r["tau"] for r in runs]),
                      "tau_by_source": {s: _mean_and_range([r["tau_by_source"][s] for r in runs
                                                            if s in r["tau_by_source"]]) for s in sources},
-                     "replay_tau": _mean_and_range([r["replay"]["tau"] for r in runs]) if all(
-                         r.get("replay") for r in runs) else None,
+                     "replay_tau": _mean_and_range([(r.get("replay") or {}).get("tau") for r in runs]),
+                     "replay_by_source": {s: _mean_and_range([(r.get("replay") or {}).get("by_source", {}).get(s)
+                                                              for r in runs]) for s in replay_sources_of(runs)},
                      "train_seconds": sum(r["train_seconds"] or 0 for r in runs) / len(runs)})
     return rows
 
@@ -246,10 +258,10 @@ def replay_cells(replay: dict | None) -> list[str]:
 def markdown_table(sweep: dict) -> str:
     """One row per run; with several seeds, a second table of each setting's mean and spread over its seeds."""
     results = sweep["runs"]
-    sources = sources_of(results)
+    sources, replayed = sources_of(results), replay_sources_of(results)
     head = ["setting", "overrides", "train rows", "steps", "train min", "val accept len",
-            "the same on training rows", "tau (all)",
-            *[f"tau {s}" for s in sources], "replayed tau ± se", "vs baseline (paired)"]
+            "the same on training rows", "tau (all)", *[f"tau {s}" for s in sources],
+            "replayed tau ± se", "vs baseline (paired)", *[f"replayed {s}" for s in replayed]]
 
     def num(x, f="{:.2f}"):
         return "-" if x is None else f.format(x)
@@ -260,7 +272,8 @@ def markdown_table(sweep: dict) -> str:
         cells = [name, " ".join(f"`{o}`" for o in r["overrides"]) or "-", str(r["train_rows"]), str(r["steps"]),
                  num(r["train_seconds"] and r["train_seconds"] / 60, "{:.1f}"), num(r["val_accept_len"]),
                  num(r.get("fit_accept_len")), num(r["tau"]), *[num(r["tau_by_source"].get(s)) for s in sources],
-                 *replay_cells(r.get("replay"))]
+                 *replay_cells(r.get("replay")),
+                 *[num((r.get("replay") or {}).get("by_source", {}).get(s), "{:.3f}") for s in replayed]]
         lines.append("| " + " | ".join(cells) + " |")
     if not any(r.get("seed") is not None for r in results):
         return "\n".join(lines) + "\n"
@@ -269,12 +282,14 @@ def markdown_table(sweep: dict) -> str:
         return "-" if not m else f"{m['mean']:.3f} ({m['lo']:.3f}-{m['hi']:.3f})"
 
     lines += ["", "Across seeds: mean (lowest-highest).", "",
-              "| setting | seeds | train min | tau (all) | " + " | ".join(f"tau {s}" for s in sources)
-              + " | replayed tau |", "|" + "---|" * (5 + len(sources))]
+              "| " + " | ".join(["setting", "seeds", "train min", "tau (all)", *[f"tau {s}" for s in sources],
+                                 "replayed tau", *[f"replayed {s}" for s in replayed]]) + " |",
+              "|" + "---|" * (5 + len(sources) + len(replayed))]
     for g in across_seeds(results):
-        lines.append(f"| {_setting(g)} | {', '.join(str(x) for x in g['seeds'])} | {g['train_seconds'] / 60:.1f} | "
-                     f"{spread(g['tau'])} | " + " | ".join(spread(g["tau_by_source"].get(s)) for s in sources)
-                     + f" | {spread(g['replay_tau'])} |")
+        cells = [_setting(g), ", ".join(str(x) for x in g["seeds"]), f"{g['train_seconds'] / 60:.1f}",
+                 spread(g["tau"]), *[spread(g["tau_by_source"].get(s)) for s in sources], spread(g["replay_tau"]),
+                 *[spread(g["replay_by_source"].get(s)) for s in replayed]]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -301,7 +316,11 @@ def plot_curves(sweep: dict, path: Path) -> None:
     for variant in dict.fromkeys(r["variant"] for r in results):
         runs = sorted((r for r in results if r["variant"] == variant), key=lambda r: r["train_rows"])
         xs = [r["train_rows"] for r in runs]
-        ax.plot(xs, [r["tau"]["mean"] for r in runs], marker="o", label=f"{variant}: all prompts")
+        if all(r["tau"] for r in runs):
+            ax.plot(xs, [r["tau"]["mean"] for r in runs], marker="o", label=f"{variant}: all prompts")
+        if all(r["replay_tau"] for r in runs):
+            ax.plot(xs, [r["replay_tau"]["mean"] for r in runs], marker="s", linestyle=":",
+                    label=f"{variant}: replayed, every held-out row")
         for s in sorted({s for r in runs for s in r["tau_by_source"]}):
             ax.plot(xs, [r["tau_by_source"][s]["mean"] if s in r["tau_by_source"] else None for r in runs],
                     marker=".", linestyle="--", label=f"{variant}: {s}")

@@ -80,6 +80,16 @@ logging: {{log_every: 1, eval_every: 100, progress: false}}
     assert again.stdout.count("cached") == 6 and " ok in " not in again.stdout
     assert json.loads((out / "sweep.json").read_text())["runs"] == sweep["runs"]
 
+    # --no-decode: a new setting is trained and replayed, never decoded; its tau comes from the replay alone
+    fast = subprocess.run([*argv[:argv.index("--fractions")], "--no-decode", "--variant", "lr: optim.lr=2.0e-3"],
+                          capture_output=True, text=True, timeout=1200, env=env)
+    assert fast.returncode == 0, fast.stderr[-3000:]
+    swept = {r["variant"]: r for r in json.loads((out / "sweep.json").read_text())["runs"]}
+    assert not (out / "lr-f1.eval.json").exists() and swept["lr"]["tau"] is None and swept["lr"]["eval"] is None
+    assert swept["baseline"]["tau"] == runs["baseline", 1.0]["tau"]  # decoded in the first sweep: kept
+    assert swept["lr"]["replay"]["rows"] == len(held) and "vs_baseline" in swept["lr"]["replay"]
+    assert "replayed chat" in fast.stdout and " eval " not in fast.stdout.replace("cached", "")
+
 
 def test_bad_variants_and_fractions_are_named():
     from dflash_train.errors import ConfigError
@@ -138,6 +148,15 @@ def test_seeds_are_parsed_and_named():
     for text in ("", "a", "-1", "0,0", "1.5"):
         with pytest.raises(ConfigError, match="--seeds"):
             parse_seeds(text)
+
+
+def test_without_decoding_a_run_is_trained_then_replayed(tmp_path):
+    from dflash_train.sweep import Variant, sweep_stages
+
+    stages = sweep_stages(tmp_path, Path("r.yaml"), [], Variant("g", ("objective.gamma=2",)), 1.0, 24, 64,
+                          decode=False)
+    assert [st.name for st in stages] == ["train", "replay"]
+    assert stages[1].argv[1:4] == ["replay", "--draft", str(tmp_path / "g-f1")]
 
 
 def test_a_seeded_run_sets_its_seed_last_and_has_its_own_folder(tmp_path):
@@ -216,8 +235,17 @@ def test_each_run_is_compared_with_the_baseline_of_its_seed_on_the_same_rows(tmp
     assert "vs_baseline" not in b0["replay"] and "vs_baseline" not in b1["replay"]
     lines = markdown_table({"runs": results}).splitlines()
     vs = g0["replay"]["vs_baseline"]
-    assert lines[4].endswith(f"| {rg0['tau']:.3f} ± {rg0['tau_se']:.3f} | {vs['diff']:+.3f} ± {vs['se']:.3f} |")
-    assert lines[2].endswith(f"| {rb0['tau']:.3f} ± {rb0['tau_se']:.3f} | - |")
+    assert lines[0].endswith("| replayed tau ± se | vs baseline (paired) | replayed chat |")
+    assert lines[4].endswith(f"| {rg0['tau']:.3f} ± {rg0['tau_se']:.3f} | {vs['diff']:+.3f} ± {vs['se']:.3f} "
+                             f"| {rg0['tau']:.3f} |")
+    assert lines[2].endswith(f"| {rb0['tau']:.3f} ± {rb0['tau_se']:.3f} | - | {rb0['tau']:.3f} |")
     mean = (rg0["tau"] + rg1["tau"]) / 2
     assert across_seeds(results)[1]["replay_tau"]["mean"] == pytest.approx(mean)
+    assert across_seeds(results)[1]["replay_by_source"]["chat"]["mean"] == pytest.approx(mean)
+    # runs swept without decoding (no eval report): their tau cells are empty, the replay's are not
+    bare = [{**r, "tau": None, "tau_by_source": {}} for r in results]
+    text = markdown_table({"runs": bare})
+    assert f"| 1.50 | - | {rg0['tau']:.3f} ± {rg0['tau_se']:.3f} | {vs['diff']:+.3f}" not in text
+    assert f"| - | {rg0['tau']:.3f} ± {rg0['tau_se']:.3f} | {vs['diff']:+.3f} ± {vs['se']:.3f} |" in text
+    assert across_seeds(bare)[0]["tau"] is None and "| g2 | 0, 1 | 1.0 | - | " in text
     assert replay_result(tmp_path / "missing.replay.json") is None

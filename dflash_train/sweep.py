@@ -93,6 +93,7 @@ def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant
     `seed` (None: the recipe's); `decode`: run the eval's real decoding on `num_prompts` prompts before
     the replay (False: the replay alone, ~4x faster on a CPU)."""
     run = run_folder(out, variant, fraction, seed)
+    on_target = ["--target", target] if target else []
     seeded = () if seed is None else (f"seed={seed}",)
     sets = [a for o in ("data.features=offline", "eval.enabled=false", *overrides, *variant.overrides,
                         f"data.train_fraction={fraction:g}", *seeded) for a in ("--set", o)]
@@ -100,12 +101,12 @@ def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant
         Stage("train", [command_path("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
                         *sets, "--resume", "auto"], done=run / "summary.json"),
         Stage("eval", [command_path("dflash-train"), "eval", "--draft", str(run), "--prompts", str(run),
-                       *(["--target", target] if target else []),
+                       *on_target,
                        "--num-prompts", str(num_prompts), "--max-new-tokens", str(max_new_tokens), "--no-speedup",
                        "--json", str(eval_path(run)), "--overwrite"], done=eval_path(run)),
         # every held-out row, every answer token: the measure a difference between runs is read from
         Stage("replay", [command_path("dflash-train"), "replay", "--draft", str(run), "--rows", str(run),
-                         *(["--target", target] if target else []), "--json", str(replay_path(run)),
+                         *on_target, "--json", str(replay_path(run)),
                          "--overwrite"], done=replay_path(run)),
     ]
     return stages if decode else [st for st in stages if st.name != "eval"]

@@ -72,21 +72,27 @@ def heldout_prompts(holdout_file: str | Path, max_prompts: int | None = None) ->
     return [messages for messages, _ in _labelled_heldout(holdout_file, max_prompts)]
 
 
-def _labelled_heldout(holdout_file: str | Path, max_prompts: int | None) -> list[tuple[list[dict], str | None]]:
+def read_holdout(path: Path, flag: str):
+    """(the prepared dataset, its held-out row ids) of a run's `holdout_rows.json`; a mixture's sources
+    take turns, so the first N rows cover each about equally. `flag` names the option in errors."""
     from dflash_train.data.prepare import load_prepared
     from dflash_train.train.documents import interleave_by_label
 
-    path = Path(holdout_file)
     try:
         holdout = json.loads(path.read_text())
         data, rows = holdout["data"], holdout["rows"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise DataError(f"--prompts {path}: not a run's {HOLDOUT_FILE} (needs `data` and `rows`): {exc}") from exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{flag} {path}: not a training run's {HOLDOUT_FILE} (needs `data` and `rows`): {exc}") from exc
     if not rows:
-        raise DataError(f"--prompts {path}: the run held out no rows; set data.holdout_fraction > 0")
+        raise DataError(f"{flag} {path}: the run held out no rows; train with data.holdout_fraction > 0")
     ds = load_prepared(data)
     if "source" in ds.column_names:
         rows = interleave_by_label(rows, [ds[i]["source"] for i in rows])
+    return ds, rows
+
+
+def _labelled_heldout(holdout_file: str | Path, max_prompts: int | None) -> list[tuple[list[dict], str | None]]:
+    ds, rows = read_holdout(Path(holdout_file), "--prompts")
     labelled = "source" in ds.column_names
     return [(user_turns(json.loads(ds[i]["messages"])), _label(ds[i]["source"]) if labelled else None)
             for i in rows[:max_prompts]]

@@ -62,24 +62,13 @@ def load_heldout_rows(holdout_file: str | Path, max_rows: int | None = None,
     """A run's held-out rows (`RUN` or `RUN/holdout_rows.json`) as prompt + answer token ids: the answer
     is the first supervised span (the first assistant turn), cut to `max_new_tokens`; the sources take
     turns as in the eval, so the first `max_rows` cover each about equally."""
-    from dflash_train.data.prepare import load_prepared
-    from dflash_train.eval.prompts import HOLDOUT_FILE
-    from dflash_train.train.documents import interleave_by_label
+    from dflash_train.eval.prompts import HOLDOUT_FILE, read_holdout
 
     path = Path(holdout_file)
     if path.is_dir():
         path = path / HOLDOUT_FILE
-    try:
-        holdout = json.loads(path.read_text())
-        data, rows = holdout["data"], holdout["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DataError(f"--rows {path}: not a training run's {HOLDOUT_FILE} (needs `data` and `rows`): {exc}") from exc
-    if not rows:
-        raise DataError(f"--rows {path}: the run held out no rows; train with data.holdout_fraction > 0")
-    ds = load_prepared(data)
+    ds, rows = read_holdout(path, "--rows")
     labelled = "source" in ds.column_names
-    if labelled:
-        rows = interleave_by_label(rows, [ds[i]["source"] for i in rows])
     out = []
     for i in rows:
         record = ds[i]
@@ -185,8 +174,8 @@ def run_replay(draft: str, rows: str, target: str | None = None, max_rows: int |
     check_device(device)
     draft_dir = resolve_drafter_dir(draft)
     if json_out:
-        plan_output(json_out, "--json", kind="file", sources=[p for p in (draft_dir, rows, baseline) if p], overwrite=overwrite,
-                    need_bytes=1 << 20)
+        plan_output(json_out, "--json", kind="file", sources=[p for p in (draft_dir, rows, baseline) if p],
+                    overwrite=overwrite, need_bytes=1 << 20)
     base = read_replay(baseline) if baseline else None
     held = load_heldout_rows(rows, max_rows, max_new_tokens)
     target_path = resolve_target(target)

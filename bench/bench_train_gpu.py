@@ -22,8 +22,11 @@ On the GPU machine run one or two variants per command (each fits its 10-minute 
 `--smoke` runs the same code on CPU at a tiny shape in fp32 (compiled flex is a row "n/a": torch has no
 CPU flex-attention backward), CI-safe, in about a minute; without a CUDA GPU the bench runs the smoke.
 
+`--profile N` runs N more steps of each step variant under torch.profiler (bench/gpu_profile.py): the
+share of the time the device is busy, milliseconds per kernel class and the heaviest kernels.
+
 Usage: python bench/bench_train_gpu.py [--smoke] [--variant NAME ...] [--list] [--steps 10]
-       [--train-steps 60] [--json FILE] [--timeout 540]
+       [--train-steps 60] [--json FILE] [--timeout 540] [--profile N]
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_step import Shape, build_step  # noqa: E402 - the sibling benches, shared
+from gpu_profile import profile_lines  # noqa: E402
 from variants import add_arguments, answered, commit, error_of, run_all, run_child  # noqa: E402
 
 QWEN3_8B = Shape(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936,
@@ -113,7 +117,7 @@ def _sync(device: str) -> None:
 
 
 def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, device: str,
-                head: str = "auto", layer_ops: str = "auto") -> dict:
+                head: str = "auto", layer_ops: str = "auto", profile: int = 0) -> dict:
     import torch
 
     from dflash_train import compiled
@@ -154,8 +158,13 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     step_s = (time.perf_counter() - t0) / steps
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"step_s": step_s, "positions": int(mb.valid.sum()), "peak_bytes": peak, "flops": step_flops(shape, mb),
-            "chunk": chunk, "head": head, "layer_ops": layer_ops, "fallbacks": dict(compiled.fallbacks)}
+    row = {"step_s": step_s, "positions": int(mb.valid.sum()), "peak_bytes": peak, "flops": step_flops(shape, mb),
+           "chunk": chunk, "head": head, "layer_ops": layer_ops, "fallbacks": dict(compiled.fallbacks)}
+    if profile:  # after the timed steps: the profiler's own cost stays out of step_s
+        from gpu_profile import profile_steps
+
+        row["profile"] = profile_steps(step, profile, device)
+    return row
 
 
 def train_throughput(smoke: bool, steps: int) -> dict:
@@ -188,7 +197,13 @@ def train_throughput(smoke: bool, steps: int) -> dict:
     return {"tokens_per_s": (last["tokens"] - first["tokens"]) / dt, "step_s": dt / (last["step"] - first["step"]),
             "steps": last["step"] - first["step"], "layers": int(sets.get("drafter.num_layers", 3)),
             "tokens_per_microbatch": int(sets.get("batch.tokens_per_microbatch", 8192)),
-            "features": sets.get("data.features", "online")}
+            "features": sets.get("data.features", _recipe_value("data", "features"))}
+
+
+def _recipe_value(section: str, key: str) -> str:
+    import yaml
+
+    return str(yaml.safe_load((ROOT / "recipes" / "smollm2-135m-gpu.yaml").read_text())[section][key])
 
 
 def _step_row(r: dict, rate: float) -> str:
@@ -214,7 +229,7 @@ def _child(spec: dict) -> dict:
     if spec["kind"] == "train":
         return train_throughput(spec["smoke"], spec["steps"])
     return run_variant(Shape(**spec["shape"]), spec["attention"], spec["checkpointing"], spec["steps"],
-                       spec["device"], spec.get("head", "auto"), spec.get("layer_ops", "auto"))
+                       spec["device"], spec.get("head", "auto"), spec.get("layer_ops", "auto"), spec.get("profile", 0))
 
 
 def main() -> None:
@@ -222,6 +237,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, fp32 (what CI runs)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (after 2 warm-up steps)")
     ap.add_argument("--train-steps", type=int, default=60, help="optimizer steps of the dflash-train train row")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed steps, N more under torch.profiler: device busy share, ms per kernel class")
     add_arguments(ap, list(VARIANTS))
     args = ap.parse_args()
     if answered(args, VARIANTS, _child):
@@ -252,7 +269,7 @@ def main() -> None:
             return {**label, "error": "n/a on CPU (no flex backward)"}
         spec = {"kind": "step", "shape": asdict(replace(base, layers=layers)), "attention": attention,
                 "checkpointing": checkpointing, "steps": steps, "device": device, "head": head,
-                "layer_ops": layer_ops}
+                "layer_ops": layer_ops, "profile": args.profile}
         return {**label, **run_child(__file__, spec, args.timeout)}
 
     header = False
@@ -267,6 +284,8 @@ def main() -> None:
             print("|---|---|---|---|---|---|---|")
             header = True
         print(_step_row(row, rate), flush=True)
+        if "profile" in row:
+            print("\n".join(profile_lines(row["profile"])), flush=True)
 
     rows = run_all(args.variant or list(VARIANTS), run_one, args.json, context, show)
     failed = [r["variant"] for r in rows if "error" in r and not r["error"].startswith("n/a")]

@@ -1,0 +1,100 @@
+"""Where a bench step's time goes: a few steps under `torch.profiler`, summarised from its trace.
+
+`profile_steps(step, steps, device)` runs `step()` `steps` times under the profiler, writes the Chrome
+trace, and reads it back: the share of the profiled wall time in which the device ran a kernel (the
+union of the kernel intervals; the rest is the device waiting for the host), the time per kernel class
+per step (matmul, attention, compiled / triton, elementwise and reductions, copies, optimizer, other) and
+the heaviest kernels by name. On a CPU (the smoke) the events read are the top-level CPU operators.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+# first match wins: the order matters (a triton flex kernel is attention; a fused triton kernel
+# that casts is compiled, not a copy)
+KERNEL_CLASSES = (
+    ("attention", re.compile(r"flex|attention|fmha|flash|sdpa", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("matmul", re.compile(r"gemm|matmul|nvjet|cutlass|sm\d+_xmma|cublas|\bmm\b|addmm|bmm", re.I)),
+    ("compiled", re.compile(r"^triton", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy|cat|transpose|contiguous", re.I)),
+    ("elementwise/reduce", re.compile(r"elementwise|vectorized|reduce|softmax|norm|unrolled", re.I)),
+)
+
+
+def kernel_class(name: str) -> str:
+    for label, pattern in KERNEL_CLASSES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (kernels on several streams overlap)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total, end = total + (e - s), e
+        elif e > end:
+            total, end = total + (e - end), e
+    return total
+
+
+def summarise_trace(trace: dict, steps: int, category: str, wall_us: float | None = None, top: int = 12) -> dict:
+    """The summary of a Chrome trace's `category` events ("kernel" on CUDA, "cpu_op" on CPU)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("cat") == category and e.get("ph") == "X"]
+    if not events:
+        return {"error": f"no '{category}' events in the profiler trace"}
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events]
+    busy = busy_us(spans)
+    wall = wall_us or (max(e for _, e in spans) - min(s for s, _ in spans))
+    per_class: dict[str, float] = {}
+    per_name: dict[str, float] = {}
+    for e in events:
+        dur = float(e.get("dur", 0))
+        per_class[kernel_class(e["name"])] = per_class.get(kernel_class(e["name"]), 0.0) + dur
+        per_name[e["name"]] = per_name.get(e["name"], 0.0) + dur
+    heaviest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"profiled_steps": steps, "device_busy": round(min(busy / wall, 1.0), 4) if wall > 0 else None,
+            "wall_ms_per_step": round(wall / steps / 1e3, 3),
+            "kernel_ms_per_step": {k: round(v / steps / 1e3, 3) for k, v in sorted(per_class.items(), key=lambda kv: -kv[1])},
+            "kernels_per_step": round(len(events) / steps, 1),
+            "top_kernels": [[name[:120], round(us / steps / 1e3, 3)] for name, us in heaviest]}
+
+
+def profile_steps(step, steps: int, device: str) -> dict:
+    """Run `step()` `steps` times under the profiler and summarise the trace (see the module doc)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - t0) * 1e6
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return summarise_trace(trace, steps, "kernel" if device == "cuda" else "cpu_op", wall_us)
+
+
+def profile_lines(summary: dict) -> list[str]:
+    """A few printable lines of a summary."""
+    if "error" in summary:
+        return [f"profile: {summary['error']}"]
+    classes = ", ".join(f"{k} {v:.1f}" for k, v in summary["kernel_ms_per_step"].items())
+    busy = summary["device_busy"]
+    lines = [f"profile ({summary['profiled_steps']} steps): device busy {busy:.0%} of "
+             f"{summary['wall_ms_per_step']:.1f} ms/step, {summary['kernels_per_step']:.0f} kernels/step; "
+             f"ms/step by class: {classes}"]
+    lines += [f"    {ms:8.3f} ms  {name}" for name, ms in summary["top_kernels"]]
+    return lines

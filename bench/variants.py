@@ -110,10 +110,19 @@ def run_all(names: list[str], run_one: Callable[[str], dict], json_path: str | N
     return rows
 
 
+# `git archive` writes the commit into this file (.gitattributes: export-subst): a copy staged on a GPU machine
+# as a tarball has no .git, and its bench rows still name the commit they measured
+COMMIT_FILE = Path(__file__).resolve().parent / "COMMIT"
+
+
 def commit() -> str | None:
+    """The checkout's commit (git), else the one `git archive` stamped into bench/COMMIT, else None."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
+        pass
+    stamped = COMMIT_FILE.read_text().strip() if COMMIT_FILE.is_file() else ""
+    return stamped if stamped and not stamped.startswith("$Format") else None

@@ -69,3 +69,21 @@ def test_a_variant_that_raises_is_a_row_with_its_exception(tmp_path):
             "threads": 1, "regen_rows": 1, "max_new_tokens": 1, "repeats": 1}
     r = run_child(str(ROOT / "bench" / "bench_gpu_data.py"), spec, timeout=240)
     assert r["exit_code"] == 1 and "Error" in r["error"] and "missing" in r["stderr_tail"]
+
+
+def test_a_git_archive_of_the_benches_still_names_its_commit(tmp_path):
+    """A GPU machine gets the project as `git archive HEAD` (no .git): the rows must still name the commit."""
+    import tarfile
+
+    root = Path(__file__).resolve().parents[2]
+    head = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True, cwd=root)
+    if head.returncode or not head.stdout.strip():
+        pytest.skip("not a git checkout")
+    archive = tmp_path / "proj.tar"
+    subprocess.run(["git", "archive", "-o", str(archive), "HEAD", "bench"], check=True, cwd=root)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "proj", filter="data")
+    out = subprocess.run([sys.executable, "-c", "from variants import commit; print(commit())"], capture_output=True,
+                         text=True, cwd=tmp_path / "proj" / "bench", env={"PATH": "/usr/bin:/bin", "GIT_DIR": "/nonexistent"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == head.stdout.strip()

@@ -41,7 +41,7 @@ def default_plan() -> list[dict]:
              "max_s": 150},
             {"name": "demo-gpu", "argv": [str(Path(PY).parent / "dflash-train"), "demo", "--config",
                                           "recipes/smollm2-135m-demo-gpu.yaml", "--output", "runs/demo-gpu",
-                                          "--num-prompts", "16", "--max-new-tokens", "128"], "max_s": 420},
+                                          "--num-prompts", "8", "--max-new-tokens", "128"], "max_s": 420},
             {"name": "regen", "argv": [PY, f"{bench}/bench_gpu_data.py", "--variant", "regen", "--json", "{rows}"],
              "max_s": 180},
             {"name": "head", "argv": [PY, f"{bench}/bench_head.py"], "max_s": 90}]
@@ -55,16 +55,27 @@ def default_plan() -> list[dict]:
     return plan
 
 
+# the demo table's rows a bench table shows (label in `dflash-train demo`'s table -> name in the cell)
+DEMO_ROWS = {"tau": "tau (tokens per target forward)", "replayed": "tau replayed on every held-out row (± se)",
+             "stages": "stage seconds"}
+
+
 def headline(part: dict) -> str:
     """One cell for the table: the tests' closing line, the demo's tau, a bench row's key figures."""
     tail = part.get("tail", "")
     if part["status"] == "skipped":
         return part.get("why", "")
+    demo = {label: key for key, label in DEMO_ROWS.items()}
+    cells = {}
+    for line in tail.splitlines():  # the demo's summary table: "│ what │ value │"
+        parts = [p.strip() for p in line.split("│")]
+        if len(parts) >= 3 and parts[1] in demo:
+            cells[demo[parts[1]]] = parts[2]
+    if cells:
+        return "; ".join(f"{key} {value}" for key, value in cells.items())
     for line in reversed(tail.splitlines()):
         if " passed" in line or " failed" in line:
             return line.strip("= ").strip()
-        if "tau (tokens per target forward)" in line:
-            return "tau " + line.split("│")[2].strip() if "│" in line else line.strip()
     if part.get("rows"):
         keys = ("step_ms", "tokens_per_s", "new_tokens_per_s", "peak_gib", "bound_fraction", "error")
         row = part["rows"][-1]

@@ -328,6 +328,9 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
     table.add_row("tau (tokens per target forward)", f"{s['tau']:.3f}  (block size {s['block_size']})")
     for label, v in (s.get("per_source") or {}).items():
         table.add_row(f"tau on held-out {label} prompts", f"{v['tau']:.3f}  ({v['prompts']} prompts)")
+    rp = s["replay"]
+    table.add_row("tau replayed on every held-out row (± se)", f"{rp['tau']:.3f} ± {rp['tau_se'] or 0:.3f}  "
+                  f"({rp['rows']} rows" + "".join(f"; {k} {v['tau']:.3f}" for k, v in rp["per_source"].items()) + ")")
     table.add_row("per-position acceptance", " ".join(f"{r:.2f}" for r in s["per_position"]))
     table.add_row("committed-length histogram", " ".join(str(c) for c in s["histogram"]))
     table.add_row("speedup over plain decoding", f"{s['speedup']:.2f}x" if s["speedup"] else

@@ -1,16 +1,21 @@
 """`dflash-train demo`: the whole pipeline on the embedded SmolLM2 target, stage by stage.
 
 prepare -> regenerate -> train (one `dflash-train train` run of the demo recipe) -> convert the run
-into `OUT/drafter/` (speculators format) -> spec-decode eval on held-out prompts -> validate ->
-z-lab conversion -> serve dry run -> a summary table. Every stage runs the installed command in a
-subprocess, exactly as a user would, and prints one status line; a stage whose output is already
-complete is skipped, so an interrupted demo resumes where it stopped. OUT is the demo's own folder
-(it carries the toolkit's marker), so its stages may replace their own earlier outputs in it.
+into `OUT/drafter/` (speculators format), then two lanes at once:
+  - spec-decode eval on held-out prompts -> replay of greedy serving on every held-out row (tau with
+    its standard error; on the GPU when there is one: one target forward per row);
+  - validate -> z-lab conversion -> serve dry run (CPU work: it hides behind the eval);
+-> a summary table. Every stage runs the installed command in a subprocess, exactly as a user would,
+and prints one status line; a stage whose output is already complete is skipped, so an interrupted
+demo resumes where it stopped. OUT is the demo's own folder (it carries the toolkit's marker), so its
+stages may replace their own earlier outputs in it.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +24,18 @@ from dflash_train.stages import Stage, command_path, run_stage
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m-demo.yaml"
 
 
-def demo_stages(out: Path, recipe: Path, overrides: list[str], max_prompts: int, max_new_tokens: int) -> list[Stage]:
+SIDE_LANE = ("validate", "to-zlab", "serve")  # CPU work, run beside the eval and the replay
+
+
+def replay_device() -> str:
+    """The replay's device: one target forward per row is GPU-shaped work (the eval's batch-1 loop is not)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def demo_stages(out: Path, recipe: Path, overrides: list[str], max_prompts: int, max_new_tokens: int,
+                device: str = "cpu") -> list[Stage]:
     run, drafter = out / "run", out / "drafter"
     sets = [a for o in overrides for a in ("--set", o)]
     return [
@@ -35,6 +51,9 @@ def demo_stages(out: Path, recipe: Path, overrides: list[str], max_prompts: int,
                        # one target forward per prompt instead of one per token (~1.4 of the eval's ~3.3 min)
                        "--no-speedup", "--overwrite"],
               done=out / "eval.json"),
+        Stage("replay", [command_path("dflash-train"), "replay", "--draft", str(drafter), "--rows", str(run),
+                         "--device", device, "--json", str(out / "replay.json"), "--overwrite"],
+              done=out / "replay.json"),
         Stage("validate", [command_path("dflash-convert"), "validate", str(drafter), "--target", "default",
                            "--json"]),
         # a reduced-vocab drafter is refused by SGLang's format unless rebuilt with the full head
@@ -53,16 +72,16 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     recipe = Path(recipe) if recipe else DEMO_RECIPE
     own = (folder_stamp(out) or {}).get("command") == "demo"  # an earlier demo: resumed stage by stage
     ensure_folder(plan_output(out, "--output", sources=[recipe], own=own, overwrite=None), "demo")
-    stages = demo_stages(out, recipe, overrides or [], max_prompts, max_new_tokens)
+    stages = demo_stages(out, recipe, overrides or [], max_prompts, max_new_tokens, replay_device())
     t0 = time.time()
     with open(out / "demo.log", "a") as log:
-        for stage in stages:
-            run_stage(stage, log)
+        run_lanes(stages, log)
     from dflash_train.eval.teacher_forced import headline as teacher_forced_headline
     from dflash_train.machine import machine_facts
 
     train_summary = json.loads((out / "run" / "summary.json").read_text())
     report = json.loads((out / "eval.json").read_text())
+    replayed = json.loads((out / "replay.json").read_text())
     validate = json.loads("\n".join(next(s for s in stages if s.name == "validate").output))
     serve_cmd = next(s for s in stages if s.name == "serve").output
     summary = {
@@ -71,6 +90,9 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
         "lossless_check": report["settings"].get("lossless_check"),
         "per_source": report.get("per_source"),
         "teacher_forced": teacher_forced_headline(report.get("teacher_forced")),
+        "replay": {"tau": replayed["tau"], "tau_se": replayed["tau_se"], "rows": replayed["rows"],
+                   "per_source": {k: {"tau": v["tau"], "tau_se": v["tau_se"], "rows": v["rows"]}
+                                  for k, v in replayed.get("per_source", {}).items()}},
         "max_new_tokens": max_new_tokens, "block_size": report["settings"].get("block_size"),
         "train_steps": train_summary.get("steps"), "train_rows": train_summary.get("train_rows"),
         "val_accept_len": train_summary.get("val_accept_len"),
@@ -81,6 +103,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
         "serve_command": serve_cmd[-1] if serve_cmd else None,
         "paths": {"drafter": str(out / "drafter"), "drafter_zlab": str(out / "drafter-zlab"),
                   "eval_json": str(out / "eval.json"), "eval_plot": str(out / "eval.png"),
+                  "replay_json": str(out / "replay.json"),
                   "curves": str(out / "run" / "curves.png"), "run": str(out / "run")},
         "stage_seconds": {s.name: round(s.seconds, 1) for s in stages},
         "wall_seconds": round(time.time() - t0, 1),
@@ -88,3 +111,33 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     }
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def run_lanes(stages: list[Stage], log) -> None:
+    """The stages in order, except the side lane's, which start once the drafter is converted and run in a
+    thread beside the rest; their log lines are kept apart and appended when both lanes are done. A failure
+    in either lane is raised after both have stopped."""
+    side = [s for s in stages if s.name in SIDE_LANE]
+    main = [s for s in stages if s.name not in SIDE_LANE]
+    split = next(i for i, s in enumerate(main) if s.name == "convert") + 1
+    for stage in main[:split]:
+        run_stage(stage, log)
+    side_log, errors = io.StringIO(), []
+
+    def side_lane() -> None:
+        try:
+            for stage in side:
+                run_stage(stage, side_log)
+        except BaseException as exc:  # noqa: BLE001 - raised in the main thread once both lanes stop
+            errors.append(exc)
+
+    thread = threading.Thread(target=side_lane, name="demo-side-lane", daemon=True)
+    thread.start()
+    try:
+        for stage in main[split:]:
+            run_stage(stage, log)
+    finally:
+        thread.join()
+        log.write(side_log.getvalue())
+    if errors:
+        raise errors[0]

@@ -40,10 +40,19 @@ def test_demo_gpu_command_runs_every_stage_on_cpu(tmp_path):
     summary = json.loads((tmp_path / "demo-gpu" / "demo_summary.json").read_text())
     assert summary["train_steps"] == 2 and summary["block_size"] == 16 and summary["validate_ok"]
     assert summary["lossless"] is True and summary["prompts"] == 2 and summary["tau"] >= 1.0
-    assert set(summary["stage_seconds"]) == {"train", "convert", "eval", "validate", "to-zlab", "serve"}
+    assert set(summary["stage_seconds"]) == {"train", "convert", "eval", "replay", "validate", "to-zlab", "serve"}
+    replayed = json.loads((tmp_path / "demo-gpu" / "replay.json").read_text())
+    holdout = json.loads((tmp_path / "demo-gpu" / "run" / "holdout_rows.json").read_text())
+    assert summary["replay"]["rows"] == replayed["rows"] == len(holdout["rows"])  # every held-out row
+    assert summary["replay"]["tau"] == replayed["tau"] >= 1.0 and set(summary["replay"]["per_source"]) <= {"sharegpt"}
     laps = summary["train_stage_seconds"]
     assert list(laps) == ["load_target", "prepare_and_regenerate", "features", "setup", "steps", "final"]
     assert all(v >= 0 for v in laps.values()) and sum(laps.values()) <= summary["stage_seconds"]["train"]
     assert summary["dtypes"]["engine.precision"]["set_by"].startswith("auto: ")  # the recipe leaves it to the machine
     assert (tmp_path / "demo-gpu" / "drafter-zlab" / "config.json").is_file()
     assert re.search(r"train stage seconds\s*│?\s*load_target=", done.stdout), done.stdout[-3000:]
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_gpu_all import headline  # what `make bench-gpu`'s table shows of this demo
+
+    cell = headline({"status": "ok", "tail": done.stdout})
+    assert cell.startswith(f"tau {summary['tau']:.3f}") and f"replayed {summary['replay']['tau']:.3f}" in cell, cell

@@ -6,9 +6,59 @@ from dflash_train.demo import demo_stages
 
 
 def test_stages_resume_and_overwrite_only_their_own_outputs(tmp_path):
-    stages = {s.name: s.argv for s in demo_stages(tmp_path, Path("recipe.yaml"), ["optim.epochs=1"], 4, 8)}
+    stages = {s.name: s.argv for s in demo_stages(tmp_path, Path("recipe.yaml"), ["optim.epochs=1"], 4, 8, "cuda")}
     assert stages["train"][-2:] == ["--resume", "auto"]  # a run killed before its first checkpoint restarts
-    for name in ("convert", "eval", "to-zlab"):
+    for name in ("convert", "eval", "replay", "to-zlab"):
         assert stages[name][-1] == "--overwrite" and str(tmp_path) in " ".join(stages[name])
     assert "--overwrite" not in stages["train"] + stages["validate"] + stages["serve"]
     assert "--no-speedup" in stages["eval"]  # the demo checks losslessness without plain decoding
+    assert stages["replay"][stages["replay"].index("--device") + 1] == "cuda"  # the replay goes where the GPU is
+
+
+def _py(code: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-c", code]
+
+
+def _timed_stages(tmp_path, side_code: str = "import time; time.sleep(1.5); print('side done')"):
+    from dflash_train.stages import Stage
+
+    stamp = "import time, sys; print(sys.argv[1], time.time()); time.sleep(1.5)"
+    return [Stage("train", _py("print('trained')")), Stage("convert", _py("print('converted')")),
+            Stage("eval", _py(stamp) + ["eval"]), Stage("replay", _py("print('replayed')")),
+            Stage("validate", _py(side_code)), Stage("to-zlab", _py("print('zlab')")),
+            Stage("serve", _py("print('serve')"))]
+
+
+def test_the_side_lane_runs_beside_the_eval_and_logs_after_it(tmp_path):
+    import io
+    import time
+
+    from dflash_train.demo import run_lanes
+
+    stages, log = _timed_stages(tmp_path), io.StringIO()
+    t0 = time.time()
+    run_lanes(stages, log)
+    wall = time.time() - t0
+    assert all(s.status == "ok" for s in stages)
+    by_name = {s.name: s for s in stages}
+    # eval and validate each sleep 1.5 s: one after the other they would take 3 s
+    assert wall < by_name["eval"].seconds + by_name["validate"].seconds - 0.5, wall
+    text = log.getvalue()
+    assert text.index("replayed") < text.index("side done") < text.index("zlab")  # the side lane's lines kept apart
+
+
+def test_a_failing_side_stage_is_raised_after_the_main_lane_ends(tmp_path):
+    import io
+
+    import pytest
+
+    from dflash_train.demo import run_lanes
+    from dflash_train.errors import DFlashError
+
+    stages = _timed_stages(tmp_path, side_code="import sys; print('bad config'); sys.exit(3)")
+    with pytest.raises(DFlashError, match=r"stage `validate` failed \(exit 3\)(.|\n)*bad config"):
+        run_lanes(stages, io.StringIO())
+    by_name = {s.name: s for s in stages}
+    assert by_name["replay"].status == "ok" and by_name["to-zlab"].status == "pending"

@@ -56,8 +56,8 @@ def summarise_trace(trace: dict, steps: int, category: str, wall_us: float | Non
     per_class: dict[str, float] = {}
     per_name: dict[str, float] = {}
     for e in events:
-        dur = float(e.get("dur", 0))
-        per_class[kernel_class(e["name"])] = per_class.get(kernel_class(e["name"]), 0.0) + dur
+        dur, label = float(e.get("dur", 0)), kernel_class(e["name"])
+        per_class[label] = per_class.get(label, 0.0) + dur
         per_name[e["name"]] = per_name.get(e["name"], 0.0) + dur
     heaviest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
     return {"profiled_steps": steps, "device_busy": round(min(busy / wall, 1.0), 4) if wall > 0 else None,

@@ -190,7 +190,8 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
                                          help="Set by the deepspeed launcher.")) -> None:
     """Train a drafter from a recipe; the drafter lands in OUTPUT/final (speculators format)."""
     from dflash_train.train.auto_dtypes import resolve_auto_dtypes
-    from dflash_train.train.recipe import load_recipe, resolve_init_from
+    from dflash_train.train.init_from import resolve_init_from
+    from dflash_train.train.recipe import load_recipe
 
     flags = list(overrides)
     if max_steps is not None:

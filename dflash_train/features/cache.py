@@ -6,7 +6,8 @@ Layout of a cache folder:
   `greedy_next` [N] int64 (the target's argmax at each position), `row_offsets` [R+1] int64
   (row r is tokens row_offsets[r]:row_offsets[r+1]) and `row_index` [R] int64 (dataset rows);
   written with `topk=k` (the kl loss), also `target_topk_ids` [N, k] int32 and `target_topk_logp`
-  [N, k] bfloat16: the target's k most likely next tokens at each position, largest first.
+  [N, k] bfloat16: the target's k most likely next tokens at each position (over the whole vocabulary, or
+  over the ids `topk_vocab` names: a drafter's reduced vocabulary), largest first.
 - `manifest.json`: target name, path and revision, layer ids, dtype, row and token counts, the
   prepared data's path and fingerprint, and one entry per finished shard (rows, tokens, bytes,
   sha256), plus `complete`, `topk` (0: no top-k) and `greedy_next` (false: written with
@@ -22,21 +23,17 @@ A shard is written under a temp name and renamed when whole; the manifest is rew
 after each shard. A rerun with the same inputs after a crash or SIGKILL keeps the finished shards
 (checksums verified) and computes the rest.
 
-Size on disk per token: feature_dim * dtype bytes + 17 (input id, greedy next id, mask byte), e.g.
-5.78 GB per 1M tokens for SmolLM2-135M (5 layers x 576, bf16) and 40.98 GB for Qwen3-8B (5 x 4096);
-top-k adds 6 * k (0.19 GB per 1M tokens at k = 32).
+Size on disk per token: feature_dim * dtype bytes + 17 (input id, greedy next id, mask byte) + 6 * k
+(top-k): 5.78 GB per 1M tokens for SmolLM2-135M (5 layers x 576, bf16), 40.98 GB for Qwen3-8B (5 x 4096).
 
 Finiteness is checked once, as a row is written (in the writer thread): a non-finite feature stops
-the write naming the row, and each finished shard's manifest entry carries `"finite": true`. Reading
-validates each shard when first opened (size and checksum-free header checks: shapes, dtype, offsets;
-its ids and masks against the prepared data when still there, in one pass), never per row read. A
-shard without the stamp (written before it) has its rows checked for finiteness as they are read.
+the write naming the row; a finished shard's manifest entry carries `"finite": true` (a shard without
+it has its rows checked as read). Reading validates each shard when first opened (header checks:
+shapes, dtype, offsets; ids and masks against the prepared data when still there), never per row.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import threading
 import time
@@ -48,53 +45,25 @@ from dflash_train.data.packing import Document
 from dflash_train.errors import DataError
 from dflash_train.features.cache_writer import DTYPES as _DTYPES
 from dflash_train.features.cache_writer import FORMAT, BackgroundWriter, ShardWriter, shard_batches, to_host
+from dflash_train.features.manifest import (
+    MANIFEST_FILE,
+    read_manifest,
+    resumable_shards,
+    sha256_file,
+    target_revision,
+    write_json,
+)
 from dflash_train.outputs import check_writable, ensure_folder, plan_output
 
-MANIFEST_FILE = "manifest.json"
 BATCH_TOKENS_CUDA = 65536  # more tokens per forward gain little on one GPU; the queue holds a few batches
 IO_THREADS_CUDA = 4
 SAFETY = 0.6
 TOPK_KEYS = ("target_topk_ids", "target_topk_logp")
-_INPUT_KEYS = ("target_revision", "target_layer_ids", "dtype", "rows_per_shard", "data_fingerprint", "num_rows",
-               "topk", "target_dtype", "greedy_next")
 NO_GREEDY = -1  # the greedy_next column of a cache written without the LM head
 
 
 def shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
-
-
-def target_revision(path: str | Path) -> str:
-    """A cheap fingerprint of a local target: config.json and each weight file's size, head and tail."""
-    path = Path(path)
-    if not path.is_dir():
-        return str(path)  # a hub id: its name is all we know offline
-    h = hashlib.sha256()
-    for f in sorted(path.iterdir()):
-        if f.name == "config.json":
-            h.update(f.read_bytes())
-        elif f.suffix in (".safetensors", ".bin"):
-            size = f.stat().st_size
-            h.update(f"{f.name}:{size}".encode())
-            with open(f, "rb") as fh:
-                h.update(fh.read(1 << 16))
-                fh.seek(max(0, size - (1 << 16)))
-                h.update(fh.read(1 << 16))
-    return h.hexdigest()[:16]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 # ---- writing --------------------------------------------------------------------------
@@ -121,14 +90,15 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
                         rows_per_shard: int = 256, dtype: str = "bfloat16", model=None,
                         batch_tokens: int | None = None, io_threads: int | None = None,
                         stats: dict | None = None, topk: int | None = None, target_dtype: str | None = None,
-                        greedy: bool = True) -> Path:
+                        greedy: bool = True, topk_vocab: torch.Tensor | None = None) -> Path:
     """Compute and store target features for every row of a prepared dataset (resumable).
 
     `model`: an already loaded target (benchmarks, tests); by default it is loaded from `target`.
     `batch_size` rows / `batch_tokens` padded tokens per forward and `io_threads` writer threads
     default to 8 / unlimited / 1 on CPU and unlimited / `batch_tokens_that_fit` / 4 on CUDA.
     `stats`, when given, receives the tokens computed, seconds, and seconds the forward waited on the writers.
-    `topk`: also store the target's top-k next-token ids and log-probs (for `objective.loss: kl`).
+    `topk`: also store the target's top-k next-token ids and log-probs (for `objective.loss: kl`); over the
+    sorted target ids `topk_vocab` only when given (a drafter's reduced vocabulary: `objective.kl_teacher`).
     `target_dtype`: what the target computes in (float32, bfloat16; default bfloat16 on CUDA, float32 on
     CPU); `dtype` is what the features are stored in.
     `greedy=False`: no greedy next tokens (`objective.labels: dataset` never reads them), so the target's
@@ -137,7 +107,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     from tqdm import tqdm
 
     from dflash_train.data.prepare import load_prepared
-    from dflash_train.features.extract import num_target_layers
+    from dflash_train.features.extract import num_target_layers, vocab_tag
     from dflash_train.features.layer_ids import check_target_layer_ids, default_target_layer_ids
     from dflash_train.features.online import pad_right, target_forward
     from dflash_train.target import (
@@ -158,7 +128,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     # one that says it is complete may be read-only: the write check waits until work is left
     own = (out / MANIFEST_FILE).is_file()
     plan = plan_output(out, "--output", sources=[data, target], own=own, overwrite=None,
-                       writable=not (own and _read_manifest(out).get("complete")))
+                       writable=not (own and read_manifest(out).get("complete")))
     ds = load_prepared(data)
     target_path = resolve_target(target)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -185,9 +155,10 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
         "feature_dim": hidden * len(layer_ids), "dtype": dtype, "num_rows": len(ds),
         "num_tokens": sum(lengths_all), "rows_per_shard": rows_per_shard,
         "data_path": str(Path(data).resolve()), "data_fingerprint": ds._fingerprint, "topk": topk,
-        "target_dtype": compute, "greedy_next": bool(greedy or topk), "shards": [],
+        "target_dtype": compute, "greedy_next": bool(greedy or (topk and topk_vocab is None)), "shards": [],
+        "topk_vocab": vocab_tag(topk_vocab) if topk and topk_vocab is not None else None,
     }
-    manifest["shards"] = _resumable_shards(out, manifest)
+    manifest["shards"] = resumable_shards(out, manifest)
     if manifest["complete"]:
         return out
     left = manifest["num_tokens"] - sum(s["tokens"] for s in manifest["shards"])  # room checked before the folder
@@ -227,7 +198,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
         with manifest_lock:
             manifest["shards"] = sorted(manifest["shards"] + [entry], key=lambda s: s["file"])
             manifest["complete"] = len(manifest["shards"]) == n_shards
-            _write_json(out / MANIFEST_FILE, manifest)
+            write_json(out / MANIFEST_FILE, manifest)
 
     shards, computed, start = [], 0, time.perf_counter()
     try:
@@ -245,7 +216,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
                 masks = [torch.tensor(rows[r]["loss_mask"], dtype=torch.uint8) for r in idx]
                 ids, attn = pad_right(ids_l)
                 feats, next_ids, *top = target_forward(model, layer_ids, ids.to(device), attn.to(device), topk or None,
-                                                       greedy=greedy)
+                                                       greedy=greedy, topk_vocab=topk_vocab if topk else None)
                 if next_ids is None:
                     next_ids = torch.full(ids.shape, NO_GREEDY, dtype=torch.long, device=feats.device)
                 top = [top[0], top[1].to(torch.bfloat16)] if top else []
@@ -269,53 +240,19 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     return out
 
 
-def _resumable_shards(out: Path, manifest: dict) -> list[dict]:
-    """Finished shards of an earlier run with the same inputs; raises if the inputs differ."""
-    path = out / MANIFEST_FILE
-    if not path.is_file():
-        return []
-    # caches from before top-k have none; those from before target_dtype was recorded computed in the
-    # device's default, which is what an unchanged recipe asks for again; all older ones hold greedy tokens
-    old = {"topk": 0, "target_dtype": manifest["target_dtype"], "greedy_next": True, **_read_manifest(out)}
-    diff = [k for k in _INPUT_KEYS if old.get(k) != manifest.get(k)]
-    if diff:
-        raise DataError(f"{path}: this folder holds features from other inputs ("
-                        + ", ".join(f"{k}: {old.get(k)!r} there, {manifest.get(k)!r} now" for k in diff)
-                        + "); pick another --output or delete the folder")
-    kept = []
-    for s in sorted(old.get("shards", []), key=lambda s: s["file"]):
-        f = out / s["file"]
-        if f.is_file() and f.stat().st_size == s["bytes"] and sha256_file(f) == s["sha256"]:
-            kept.append(s)
-    n_shards = (manifest["num_rows"] + manifest["rows_per_shard"] - 1) // manifest["rows_per_shard"]
-    manifest["complete"] = len(kept) == n_shards
-    return kept
-
-
-def _read_manifest(path: Path) -> dict:
-    f = path / MANIFEST_FILE
-    if not f.is_file():
-        raise DataError(f"{path}: no {MANIFEST_FILE}; not a feature cache (write one with `dflash-train features`)")
-    try:
-        m = json.loads(f.read_text())
-    except ValueError as exc:
-        raise DataError(f"{f}: not valid JSON ({exc}); delete the cache and rerun `dflash-train features`") from exc
-    if m.get("format") != FORMAT:
-        raise DataError(f"{f}: format is {m.get('format')!r}, expected {FORMAT!r}")
-    return m
-
-
 # ---- reading --------------------------------------------------------------------------
 
 class FeatureCache:
     """Read access to a complete cache; `document(i)` is row i of the prepared data."""
 
     def __init__(self, path: str | Path, target: str | None = None, target_layer_ids: list[int] | None = None,
-                 topk: int | None = None, target_dtype: str | None = None, greedy: bool = False):
+                 topk: int | None = None, target_dtype: str | None = None, greedy: bool = False,
+                 topk_vocab: str | None = None):
         """The arguments, when given, are what the reader needs; a cache that does not hold it is refused.
-        `greedy`: the target's greedy next tokens (`objective.labels: greedy`)."""
+        `greedy`: the target's greedy next tokens (`objective.labels: greedy`); `topk_vocab`: with `topk`, the
+        `vocab_tag` of the ids the top k must be taken over (None: the whole vocabulary)."""
         self.path = Path(path)
-        self.manifest = {"topk": 0, "greedy_next": True, **_read_manifest(self.path)}
+        self.manifest = {"topk": 0, "greedy_next": True, **read_manifest(self.path)}
         m = self.manifest
         if not m.get("complete"):
             raise DataError(f"{self.path}: the feature cache is incomplete ({len(m['shards'])} shards written); "
@@ -335,6 +272,11 @@ class FeatureCache:
             raise DataError(f"{self.path}: the feature cache holds {m['topk'] or 'no'} top-k target log-probs per "
                             f"token, but objective.loss: kl with kl_topk {topk} needs {topk}; rebuild it with "
                             f"`dflash-train features --topk {topk}` into a new folder (or lower objective.kl_topk)")
+        if topk and m.get("topk_vocab") != topk_vocab:
+            def over(tag): return f"ids {tag}" if tag else "the whole vocabulary"
+            raise DataError(f"{self.path}: the cache's top-k is over {over(m.get('topk_vocab'))}, but objective."
+                            f"kl_teacher asks for one over {over(topk_vocab)}; point data.feature_cache at another "
+                            "folder, or leave it unset (each teacher gets its own)")
         if target_dtype and m.get("target_dtype", target_dtype) != target_dtype:
             raise DataError(f"{self.path}: features were computed by the target in {m['target_dtype']}, but "
                             f"data.target_dtype asks for {target_dtype}; set data.target_dtype: {m['target_dtype']} "

@@ -33,29 +33,49 @@ class _StopForward(Exception):
 
 
 @torch.no_grad()
-def head_outputs(head, final: torch.Tensor, topk: int | None = None, chunk: int = _HEAD_CHUNK):
+def head_outputs(head, final: torch.Tensor, topk: int | None = None, chunk: int = _HEAD_CHUNK,
+                 vocab: torch.Tensor | None = None, greedy: bool = True):
     """(greedy [B, T] long, top-k ids [B, T, k] int32, top-k log-probs [B, T, k] fp32) of the LM head
     `head` over post-norm states `final` [B, T, H], `chunk` positions (over the whole batch) at a
     time; the top-k pair is None when `topk` is None. Log-probabilities are normalised over the
-    whole vocabulary (fp32 log-softmax), sorted largest first."""
+    whole vocabulary (fp32 log-softmax), sorted largest first.
+
+    `vocab` (sorted target ids, e.g. a drafter's reduced vocabulary): the top k over those ids only, normalised
+    over them, from the head's rows of those ids (a twelfth of SmolLM2's head for 4,096 ids); the ids returned
+    are target ids. `greedy=False`: no argmax (None), so with `vocab` the whole head never runs."""
     shape = final.shape[:2]
     flat = final.reshape(-1, final.shape[-1])
     n = flat.shape[0]
-    greedy = torch.empty(n, dtype=torch.long, device=final.device)
+    if vocab is None and not greedy:
+        raise ValueError("head_outputs: greedy=False needs a vocab (the top-k over the whole head gives the argmax)")
+    rows = head.weight[vocab.to(head.weight.device)] if vocab is not None else None
+    out = torch.empty(n, dtype=torch.long, device=final.device) if greedy else None
     ids = logp = None
     if topk:
         ids = torch.empty((n, topk), dtype=torch.int32, device=final.device)
         logp = torch.empty((n, topk), dtype=torch.float32, device=final.device)
     for s in range(0, n, chunk):
-        logits = head(flat[s: s + chunk])
-        greedy[s: s + chunk] = logits.argmax(-1)
+        x = flat[s: s + chunk]
+        logits = head(x) if greedy else None
+        if greedy:
+            out[s: s + chunk] = logits.argmax(-1)
         if topk:
-            values, index = torch.log_softmax(logits.float(), -1).topk(topk, dim=-1)
-            ids[s: s + chunk], logp[s: s + chunk] = index, values
+            scores = logits if rows is None else torch.nn.functional.linear(x, rows)
+            values, index = torch.log_softmax(scores.float(), -1).topk(topk, dim=-1)
+            ids[s: s + chunk] = index if vocab is None else vocab.to(index.device)[index]
+            logp[s: s + chunk] = values
         del logits
+    greedy_ids = out.view(shape) if greedy else None
     if not topk:
-        return greedy.view(shape), None, None
-    return greedy.view(shape), ids.view(*shape, topk), logp.view(*shape, topk)
+        return greedy_ids, None, None
+    return greedy_ids, ids.view(*shape, topk), logp.view(*shape, topk)
+
+
+def vocab_tag(vocab: torch.Tensor) -> str:
+    """A short fingerprint of a set of target ids (the vocabulary a top-k teacher was taken over)."""
+    import hashlib
+
+    return f"{vocab.numel()}-" + hashlib.sha256(vocab.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:10]
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -127,7 +147,8 @@ class TargetFeatures:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 with_next_tokens: bool = False, topk: int | None = None) -> FeatureBatch:
+                 with_next_tokens: bool = False, topk: int | None = None,
+                 topk_vocab: torch.Tensor | None = None) -> FeatureBatch:
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         head = with_next_tokens or bool(topk)
@@ -136,5 +157,6 @@ class TargetFeatures:
         if not head:
             return FeatureBatch(cap.features(), None)
         # the head runs chunk-wise over the final-norm states: no [B, T, V] logits
-        greedy, ids, logp = head_outputs(self.model.get_output_embeddings(), out.last_hidden_state, topk)
+        greedy, ids, logp = head_outputs(self.model.get_output_embeddings(), out.last_hidden_state, topk,
+                                         vocab=topk_vocab, greedy=with_next_tokens or topk_vocab is None)
         return FeatureBatch(cap.features(), greedy, ids, logp)

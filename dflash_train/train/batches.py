@@ -39,7 +39,6 @@ from dflash_train.train.loss import (
     accepted_prefix_weights,
     block_stats,
     head_loss,
-    label_probs,
     topk_soft_targets,
 )
 
@@ -208,7 +207,7 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
     positions of the labelled slots (found on the host when not given). prefix_weighting
     (`objective.prefix_weighting`): each slot's weight is also scaled by the drafter's own chance (no
     gradient) that the slots before it in its block are all right, the chance serving reaches it; taken in
-    the head's own pass, or with a trained head or the kl loss in one more head forward (`loss.label_probs`)."""
+    the head's own pass (`loss.head_loss(reweight=)`)."""
     device = model.fc.weight.device
     if index is None:
         index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)
@@ -235,9 +234,6 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
 
             def reweight(probs):
                 return accepted_prefix_weights(probs * keep, index, shape)
-
-            if loss != "ce" or weight.requires_grad:  # a separate pass for the probabilities
-                w, reweight = w * reweight(label_probs(rows, weight, labels.clamp(min=0), chunk)), None
         loss_sum, preds = head_loss(rows, weight, labels.clamp(min=0), w * keep, kind=loss, target=target,
                                     chunk=chunk, compiled=head == "compiled", reweight=reweight)
     return loss_sum, model.draft_to_target(preds)

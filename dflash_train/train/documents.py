@@ -11,7 +11,9 @@
    target's device (a GPU run never copies them to the host and back).
 4. For the kl loss (`topk=k`), each document also carries the target's top-k next-token ids and
    log-probabilities from the same forward: int32 ids and bf16 log-probs in memory mode (k=32:
-   192 bytes per token next to 5,760 of SmolLM2 features), the cache's shards offline.
+   192 bytes per token next to 5,760 of SmolLM2 features), the cache's shards offline. With
+   `topk_vocab` (`objective.kl_teacher: draft_vocab`) the top k are taken over the drafter's reduced
+   vocabulary only, from the target head's rows of those ids; an offline cache of its own holds them.
 """
 
 from __future__ import annotations
@@ -207,13 +209,14 @@ def memory_home(device: torch.device, needed_bytes: int, free_bytes: int | None,
 
 class DocumentSource:
     """Documents (features + greedy tokens) for prepared rows, with the target's top-k next-token
-    log-probs when `topk` is set (the kl loss)."""
+    log-probs when `topk` is set (the kl loss; over the sorted target ids `topk_vocab` only when given)."""
 
     def __init__(self, rows, mode: str, target_model=None, target_layer_ids=None, feature_cache=None,
-                 topk: int | None = None, target_hidden: int | None = None):
+                 topk: int | None = None, target_hidden: int | None = None, topk_vocab: torch.Tensor | None = None):
         self.rows = rows
         self.mode = mode
         self.topk = topk
+        self.topk_vocab = topk_vocab
         self.lengths = [len(x) for x in rows["input_ids"]]
         self.cache = feature_cache
         self.layer_ids = list(target_layer_ids)
@@ -309,7 +312,7 @@ class DocumentSource:
         if device.type == "cuda":  # pinned host memory: a copy the GPU runs on its own (no pageable bounce)
             batch, attn = batch.pin_memory(), attn.pin_memory()
         out = self._extract(batch.to(device, non_blocking=True), attention_mask=attn.to(device, non_blocking=True),
-                            with_next_tokens=True, topk=self.topk)
+                            with_next_tokens=True, topk=self.topk, topk_vocab=self.topk_vocab)
         result = {}
         memory = self.mode == "memory"
         store = torch.bfloat16 if memory else out.features.dtype
@@ -339,9 +342,10 @@ def cache_complete(path: Path) -> bool:
 
 
 def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None,
-                  greedy: bool = True):
+                  greedy: bool = True, topk_vocab: torch.Tensor | None = None):
     """The data stage's FeatureCache for these rows and layer ids (written once if missing); with
-    `topk` (the kl loss) its shards must hold at least k top-k log-probs per token. `greedy=False`
+    `topk` (the kl loss) its shards must hold at least k top-k log-probs per token, over the sorted target
+    ids `topk_vocab` when given (a folder of its own per vocabulary). `greedy=False`
     (dataset labels): a cache with the greedy tokens is used when one is complete, else one is
     written without them (no LM head in the target's forward) into a folder of its own."""
     try:
@@ -349,14 +353,16 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
     except ImportError as exc:
         raise MissingDependencyError("data.features: offline needs dflash_train.features.cache (not installed in "
                                      "this checkout); use data.features: memory or online") from exc
+    from dflash_train.features.extract import vocab_tag
     from dflash_train.target import dtype_name, target_torch_dtype
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     compute = dtype_name(target_torch_dtype(data.target_dtype, device))
+    tag = vocab_tag(topk_vocab) if topk and topk_vocab is not None else None
     if data.feature_cache:
         path = Path(data.feature_cache)
     else:
-        name = f"features-{'-'.join(map(str, layer_ids))}" + (f"-top{topk}" if topk else "")
+        name = f"features-{'-'.join(map(str, layer_ids))}" + (f"-top{topk}-v{tag}" if tag else f"-top{topk}" if topk else "")
         if compute != ("bfloat16" if device == "cuda" else "float32"):
             name += f"-{compute}"  # not the device's plain dtype (names before `auto` read the CPU): its own cache
         path = data_cache_root(data, target_path) / name
@@ -368,9 +374,11 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
 
             with output_lock(path, "the feature cache", "train", wait=True):  # another run may be writing it
                 if not cache_complete(path):
+                    # a teacher over the draft vocabulary runs the whole head only for greedy labels
                     write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk,
-                                        target_dtype=compute, greedy=path != lean)
+                                        target_dtype=compute, greedy=greedy or (path != lean and not tag),
+                                        topk_vocab=topk_vocab)
     cache = FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk,
-                         target_dtype=compute if data.target_dtype != "auto" else None, greedy=greedy)
+                         target_dtype=compute if data.target_dtype != "auto" else None, greedy=greedy, topk_vocab=tag)
     cache.lengths()  # every shard opened and checked now: a damaged one is refused before the run folder is written
     return cache

@@ -32,29 +32,29 @@ import torch
 from dflash_train.compiled import call
 
 
-def ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+def ce_chunk(logits: torch.Tensor, labels: torch.Tensor,
              grad_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(weighted CE sum, argmax [n], softmax [n, V] in `grad_dtype` or None). logits [n, V] fp32,
-    labels [n] long, weights [n] fp32. The gradient w.r.t. the logits is softmax - onehot(label); the
-    caller subtracts the one-hot part on the [n, H] products (rows of the head), never on [n, V]."""
+    """(CE per row [n] fp32, argmax [n], softmax [n, V] in `grad_dtype` or None). logits [n, V] fp32,
+    labels [n] long. The gradient w.r.t. the logits is softmax - onehot(label); the caller weighs the rows
+    and subtracts the one-hot part on the [n, H] products (rows of the head), never on [n, V]."""
     preds = logits.argmax(-1)
     lse = torch.logsumexp(logits, -1)
-    loss = (weights * (lse - logits.gather(1, labels[:, None]).squeeze(1))).sum()
+    loss = lse - logits.gather(1, labels[:, None]).squeeze(1)
     if grad_dtype is None:
         return loss, preds, None
     soft = (logits - lse[:, None]).exp_()
     return loss, preds, soft.to(grad_dtype)
 
 
-def kl_chunk(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, weights: torch.Tensor,
+def kl_chunk(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
              grad_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(weighted KL(p || q) sum, argmax [n], dL/dlogits [n, V] in `grad_dtype` or None). ids [n, k] long
+    """(KL(p || q) per row [n] fp32, argmax [n], dL/dlogits [n, V] in `grad_dtype` or None). ids [n, k] long
     draft ids, p [n, k] fp32 (entries with p = 0 are ignored). KL = sum_j p_j log p_j - p_j log q(ids_j);
     its gradient w.r.t. the logits is softmax * sum(p) - p scattered to its ids."""
     preds = logits.argmax(-1)
     lse = torch.logsumexp(logits, -1, keepdim=True)
     logq = logits.gather(1, ids) - lse
-    loss = (weights * (torch.xlogy(p, p) - p * logq).sum(-1)).sum()
+    loss = (torch.xlogy(p, p) - p * logq).sum(-1)
     if grad_dtype is None:
         return loss, preds, None
     d = (logits - lse).exp_().mul_(p.sum(-1, keepdim=True)).scatter_add_(1, ids, -p)
@@ -64,12 +64,12 @@ def kl_chunk(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, weights: 
 KNOB = "objective.head compiled"
 
 
-def ce(logits, labels, weights, grad_dtype, compiled: bool):
-    args = (logits, labels, weights, grad_dtype)
-    return call("head ce epilogue", ce_chunk, args, {0: [0], 1: [0], 2: [0]}, KNOB) if compiled else ce_chunk(*args)
+def ce(logits, labels, grad_dtype, compiled: bool):
+    args = (logits, labels, grad_dtype)
+    return call("head ce epilogue", ce_chunk, args, {0: [0], 1: [0]}, KNOB) if compiled else ce_chunk(*args)
 
 
-def kl(logits, ids, p, weights, grad_dtype, compiled: bool):
-    args = (logits, ids, p, weights, grad_dtype)
-    return (call("head kl epilogue", kl_chunk, args, {0: [0], 1: [0], 2: [0], 3: [0]}, KNOB) if compiled
+def kl(logits, ids, p, grad_dtype, compiled: bool):
+    args = (logits, ids, p, grad_dtype)
+    return (call("head kl epilogue", kl_chunk, args, {0: [0], 1: [0], 2: [0]}, KNOB) if compiled
             else kl_chunk(*args))

@@ -51,10 +51,11 @@ from dflash_train.train.engine import (
     init_distributed,
 )
 from dflash_train.train.finite import FiniteGuard
+from dflash_train.train.init_from import resolve_init_from
 from dflash_train.train.loss import BlockStats
 from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
 from dflash_train.train.prefetch import StepPrefetch, worth_prefetching
-from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, resolve_init_from
+from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe
 from dflash_train.train.run_folder import RESUME_MODES, check_output, finished_summary, past_the_end, space_needed
 
 
@@ -217,7 +218,7 @@ def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenize
         check_target_layer_ids(d.target_layer_ids, tc.num_hidden_layers, "drafter.target_layer_ids")
     if d.mask_token_id is not None:
         check_mask_token_id(d.mask_token_id, tokenizer, tc.vocab_size, "drafter.mask_token_id")
-    if d.init_from:  # its config already decided the drafter fields (recipe.apply_init_from)
+    if d.init_from:  # its config already decided the drafter fields (init_from.apply_init_from)
         model = load_drafter(d.init_from, target_config=target_model.config, tokenizer=tokenizer,
                              what="drafter.init_from")
         if model.lm_head is not None:
@@ -302,11 +303,15 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     check_writable(output, "--output", space_needed(drafter, recipe), inside=output.is_dir())
     cache = None
     topk = recipe.objective.kl_topk if recipe.objective.loss == "kl" else None  # teacher top-k for the kl loss
+    teacher_vocab = None  # kl_teacher draft_vocab: the top k over the drafter's own ids (sorted target ids)
+    if topk and recipe.objective.kl_teacher == "draft_vocab" and drafter.config.reduced_vocab:
+        teacher_vocab = drafter.t2d.nonzero().squeeze(1).cpu()
     if recipe.data.features == "offline":
         cache = offline_cache(recipe.data, target_path, data_path, drafter.config.target_layer_ids, topk,
-                              greedy=recipe.objective.labels == "greedy")
+                              greedy=recipe.objective.labels == "greedy", topk_vocab=teacher_vocab)
     source = DocumentSource(rows, recipe.data.features, target_model, drafter.config.target_layer_ids, cache,
-                            topk=topk, target_hidden=target_model.config.get_text_config().hidden_size)
+                            topk=topk, target_hidden=target_model.config.get_text_config().hidden_size,
+                            topk_vocab=teacher_vocab)
     plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size,
                     source_balance(train_rows, labels))
     val_rows = validation_rows(held, labels, recipe.logging.eval_documents)

@@ -51,6 +51,7 @@ from dflash_train.train import head_epilogue
 from dflash_train.train.anchors import IGNORE
 
 _CHUNK_BYTES = 2 << 30  # GPU budget for one chunk's logits and their softmax
+_KEPT_BYTES = 256 << 20  # reweight with a trained head: the most every chunk's dL/dlogits may take together
 
 
 def auto_logits_chunk(vocab: int, device: torch.device | str) -> int:
@@ -90,18 +91,29 @@ def head_matmul_dtype(hidden: torch.dtype, weight: torch.dtype, device_type: str
     return torch.float32
 
 
+def _add_head_grad(grad_w: torch.Tensor, d: torch.Tensor, h: torch.Tensor, wt: torch.Tensor,
+                   labels: torch.Tensor | None, half: bool) -> None:
+    """grad_w += d^T (h * wt) for one chunk, minus the one-hot part of the ce gradient at the labels' rows."""
+    hw = h * wt[:, None].to(h.dtype)
+    grad_w += _mm(d.t(), hw)
+    if labels is not None:
+        grad_w.index_add_(0, labels, -hw.float() if half else -hw)
+
+
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, target_ids, target_p, chunk, kind, compiled, reweight):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # reweight (ce, frozen head): every row's weight is also scaled by reweight(p(label) of every row), known
-        # only after the last chunk; the rows' losses and gradients are kept unscaled until then
+        # reweight: every row's weight is also scaled by reweight(p(label) of every row), known only after the
+        # last chunk: the rows' losses and input gradients are kept unscaled until then, and a trained head's
+        # gradient is taken from the chunks' kept dL/dlogits at the end (head_loss bounds their memory)
         m = hidden.shape[0]
-        row_loss = torch.empty(m, dtype=torch.float32, device=hidden.device) if reweight else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        label_nll = torch.empty(m, dtype=torch.float32, device=hidden.device) if reweight else None
+        row_loss = torch.empty(m, dtype=torch.float32, device=hidden.device)
         preds = torch.empty(m, dtype=torch.long, device=hidden.device)
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        kept = []  # reweight with a trained head: (s, e, dL/dlogits) per chunk
         mm_dtype = head_matmul_dtype(hidden.dtype, weight.dtype, hidden.device.type)
         half = mm_dtype != torch.float32
         w = weight.to(mm_dtype)  # no copy when the head already has it (the bf16 target head on a GPU)
@@ -114,13 +126,12 @@ class _FusedHeadLoss(torch.autograd.Function):
             wt = weights[s:e].float()
             lab = labels[s:e]
             if reweight is not None:  # -log p(label), one more reduction over the chunk's logits
-                row_loss[s:e] = logits.logsumexp(-1) - logits.gather(1, lab[:, None]).squeeze(1)
+                label_nll[s:e] = logits.logsumexp(-1) - logits.gather(1, lab[:, None]).squeeze(1)
             if kind == "ce":  # d = softmax; the grad is softmax - onehot, the onehot part taken below
-                part, preds[s:e], d = head_epilogue.ce(logits, lab, wt, grad_dtype, compiled)
+                row_loss[s:e], preds[s:e], d = head_epilogue.ce(logits, lab, grad_dtype, compiled)
             else:  # soft CE against p over its k ids, plus sum p log p (no grad): KL(p || q); see head_loss
-                part, preds[s:e], d = head_epilogue.kl(logits, target_ids[s:e], target_p[s:e].float(), wt,
-                                                       grad_dtype, compiled)
-            total += part
+                row_loss[s:e], preds[s:e], d = head_epilogue.kl(logits, target_ids[s:e], target_p[s:e].float(),
+                                                               grad_dtype, compiled)
             del logits
             if d is None:
                 continue
@@ -130,17 +141,20 @@ class _FusedHeadLoss(torch.autograd.Function):
                 if kind == "ce":
                     g -= w[lab].float() if half else w[lab]
                 grad_h[s:e] = g * wt[:, None]
-            if want_w:
-                hw = h * wt[:, None].to(h.dtype)
-                grad_w += _mm(d.t(), hw)
-                if kind == "ce":
-                    grad_w.index_add_(0, lab, -hw.float() if half else -hw)
+            if want_w and reweight is not None:
+                kept.append((s, e, d))
+            elif want_w:
+                _add_head_grad(grad_w, d, h, wt, lab if kind == "ce" else None, half)
             del d
         if reweight is not None:
-            factor = reweight(torch.exp(-row_loss))
-            total = (weights.float() * factor * row_loss).sum()
+            factor = reweight(torch.exp(-label_nll))
+            weights = weights.float() * factor
             if grad_h is not None:
                 grad_h *= factor[:, None]
+            for s, e, d in kept:
+                _add_head_grad(grad_w, d, hidden[s:e].to(mm_dtype), weights[s:e], labels[s:e] if kind == "ce" else None,
+                               half)
+        total = (weights.float() * row_loss).sum()
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
                               grad_w if grad_w is not None else torch.empty(0))
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -168,19 +182,21 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     zero outside its k ids, so it is >= 0 and its gradient is the soft cross-entropy's (the
     entropy term is a constant). With k = V and p the full softmax it is the full-vocabulary KL.
     compiled: each chunk's softmax, loss and argmax run as fused compiled kernels (head_epilogue).
-    reweight (ce with a frozen head): [M] probabilities of the labels -> [M] factors on `weights`, applied
-    (without a gradient through them) once every chunk is done: the same head pass, no second one.
+    reweight: [M] probabilities of the labels -> [M] factors on `weights`, applied (without a gradient through
+    them) once every chunk is done: the same head pass, no second one. A trained head keeps every chunk's
+    dL/dlogits until then; when those would pass `_KEPT_BYTES`, the probabilities take a pass of their own first.
     """
     if kind not in ("ce", "kl"):
         raise ValueError(f"loss {kind!r}: choose ce or kl")
-    if reweight is not None and (kind != "ce" or weight.requires_grad):
-        raise ValueError("head_loss(reweight=) takes the ce loss and a frozen head; weigh the rows beforehand "
-                         "(label_probs) otherwise")
     if kind == "kl" and target is None:
         raise ValueError("loss kl needs the target's top-k ids and probabilities")
     if hidden.shape[0] == 0:
         return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.long, device=hidden.device)
     chunk = hidden.shape[0] if not chunk else int(chunk)
+    if reweight is not None and weight.requires_grad and torch.is_grad_enabled() \
+            and hidden.shape[0] * weight.shape[0] * weight.element_size() > _KEPT_BYTES:
+        probs = label_probs(hidden, weight, labels, chunk)
+        return head_loss(hidden, weight, labels, weights * reweight(probs), kind, target, chunk, compiled)
     ids, p = target if target is not None else (None, None)
     device = hidden.device.type
     # (a meta-device dry run has no autocast at all)

@@ -150,6 +150,9 @@ class ObjectiveConfig(_Section):
     # `kl_topk` log-probs per token (computed with the features; offline caches need `features --topk`)
     loss: Literal["ce", "kl"] = "ce"
     kl_topk: int = Field(32, gt=0)  # k of the kl loss: ~6 bytes per token per k in RAM or in the cache
+    # the top k over: target_vocab (the whole head, then the draft ids among them), or draft_vocab (a reduced
+    # drafter vocabulary's ids only: its rows of the head, a twelfth of SmolLM2's for 4K ids, in a cache of its own)
+    kl_teacher: Literal["target_vocab", "draft_vocab"] = "target_vocab"
     labels: Literal["greedy", "dataset"] = "greedy"
     anchors_per_document: int = Field(512, gt=0)  # blocks sampled per document, resampled every epoch
     # instead of a count, a fraction of each document's candidates with a floor and a cap, e.g.
@@ -264,8 +267,10 @@ class TrainRecipe(_Section):
         if self.engine.zero_stage == 3 and self.drafter.train_lm_head and self.drafter.draft_vocab_size:
             raise ValueError("drafter.train_lm_head: a trained reduced-vocabulary head cannot run under "
                              "engine.zero_stage 3; set engine.zero_stage 2 (or 0/1), or train_lm_head: false")
+        if self.objective.loss == "kl" and self.objective.kl_teacher == "draft_vocab" and not self.drafter.draft_vocab_size:
+            raise ValueError("objective.kl_teacher: draft_vocab needs a reduced vocabulary (drafter.draft_vocab_size); "
+                             "set one, or kl_teacher: target_vocab")
         return self
-
 
 
 # fields that define what is trained: a run folder can only be resumed with the same values
@@ -337,62 +342,6 @@ class ResolvedRecipe:
     def identity(self) -> dict:
         data = self.recipe.model_dump(mode="json")
         return {k: data[k] for k in RUN_IDENTITY}
-
-
-# drafter fields a drafter.init_from folder decides, and how to read each from its config
-INIT_FROM_FIELDS = {
-    "num_layers": lambda c: c.num_hidden_layers,
-    "block_size": lambda c: c.block_size,
-    "mask_token_id": lambda c: c.mask_token_id,
-    "num_features": lambda c: c.num_aux_layers,
-    "target_layer_ids": lambda c: c.target_layer_ids,
-    "intermediate_size": lambda c: c.intermediate_size,
-    "draft_vocab_size": lambda c: c.draft_vocab_size if c.reduced_vocab else None,
-}
-USER_LAYERS = ("recipe", "--set")
-
-
-def apply_init_from(resolved: ResolvedRecipe, cfg) -> ResolvedRecipe:
-    """The recipe with every drafter field that `drafter.init_from` decides taken from its config `cfg`
-    (layer `drafter.init_from`), so the resolved config records what is trained. A field the user set
-    (recipe or --set) to another value is an error naming it; defaults are replaced silently."""
-    d = resolved.recipe.drafter
-    src = resolved.sources
-    if d.init_from_target_layer is not None:
-        raise ConfigError("drafter.init_from_target_layer and drafter.init_from both initialise the drafter; "
-                          "unset one of them")
-    conflicts, update = [], {}
-    for name, read in INIT_FROM_FIELDS.items():
-        value, ours = read(cfg), getattr(d, name)
-        same = ours == value or (name == "draft_vocab_size" and value is None and ours == cfg.vocab_size)
-        if src.get(f"drafter.{name}") in USER_LAYERS and not same:
-            conflicts.append(f"drafter.{name} is {ours!r} but the drafter has {value!r}")
-        update[name] = ours if same else value
-    if conflicts:
-        raise ConfigError(f"drafter.init_from {d.init_from}: " + "; ".join(conflicts) + "; remove these fields "
-                          "from the recipe (the loaded drafter decides them) or start from another drafter")
-    data = resolved.recipe.model_dump()
-    data["drafter"].update(update)
-    sources = dict(src)
-    for name in INIT_FROM_FIELDS:
-        if sources.get(f"drafter.{name}") not in USER_LAYERS:
-            sources[f"drafter.{name}"] = "drafter.init_from"
-    return ResolvedRecipe(TrainRecipe.model_validate(data), sources)
-
-
-def resolve_init_from(resolved: ResolvedRecipe) -> ResolvedRecipe:
-    """`apply_init_from` with the config read from the recipe's drafter.init_from folder (no-op without one)."""
-    from dflash_train.errors import DFlashError
-    from dflash_train.model.checkpoint import read_drafter_config
-
-    folder = resolved.recipe.drafter.init_from
-    if not folder:
-        return resolved
-    try:
-        cfg = read_drafter_config(folder, mask_token_id=resolved.recipe.drafter.mask_token_id)
-    except DFlashError as exc:
-        raise ConfigError(f"drafter.init_from {folder}: {exc}") from None
-    return apply_init_from(resolved, cfg)
 
 
 def _emit(tree: dict, sources: dict[str, str], prefix: str, indent: int):

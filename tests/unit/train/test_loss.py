@@ -335,13 +335,29 @@ def test_a_one_hot_teacher_is_cross_entropy():
     torch.testing.assert_close(kl, ce, atol=1e-5, rtol=1e-6)
 
 
-def test_reweight_takes_the_ce_loss_and_a_frozen_head_only():
-    from dflash_train.train.loss import head_loss
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+@pytest.mark.parametrize("kept_bytes", [256 << 20, 0])  # dL/dlogits kept for the end, or a pass of their own first
+def test_reweight_equals_the_loss_with_weights_scaled_beforehand(monkeypatch, kind, kept_bytes):
+    """head_loss(reweight=f) is head_loss with weights * f(p(label)) (no gradient through f), for both losses
+    and a trained head: loss, input gradient and head gradient, in one pass or with the probabilities first."""
+    from dflash_train.train import loss as loss_mod
 
-    h, w = torch.randn(6, 8), torch.randn(10, 8)
-    labels, weights = torch.randint(0, 10, (6,)), torch.ones(6)
-    with pytest.raises(ValueError, match="reweight=.*ce loss and a frozen head"):
-        head_loss(h, w.requires_grad_(True), labels, weights, reweight=lambda p: p)
-    loss, _ = head_loss(h, w.detach(), labels, weights, reweight=lambda p: p)  # weights times p(label)
-    p = torch.softmax(h @ w.detach().t(), -1).gather(1, labels[:, None]).squeeze(1)
-    assert float(loss) == pytest.approx(float((p * -p.log()).sum()), rel=1e-5)
+    monkeypatch.setattr(loss_mod, "_KEPT_BYTES", kept_bytes)
+    hidden, weight, _, _, labels, w = _topk_inputs(k=3)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, weight.shape[0], (hidden.shape[0], 3), generator=g)
+    target = (ids, torch.softmax(torch.randn(ids.shape, generator=g), -1)) if kind == "kl" else None
+    factor = lambda probs: 0.5 + probs.square()  # noqa: E731
+
+    def run(weights, reweight):
+        h, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out, preds = head_loss(h, wt, labels, weights, kind, target, chunk=5, reweight=reweight)
+        (out * 0.3).backward()
+        return out.detach(), preds, h.grad, wt.grad
+
+    probs = torch.softmax(hidden @ weight.t(), -1).gather(1, labels[:, None]).squeeze(1)
+    got, ref = run(w, factor), run(w * factor(probs), None)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    plain = run(w, None)
+    assert not torch.allclose(got[3], plain[3], atol=1e-3)  # the factors reach the head's gradient

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_train.errors import ConfigError
-from dflash_train.train.recipe import apply_init_from, load_recipe, resolve_init_from
+from dflash_train.train.init_from import apply_init_from, resolve_init_from
+from dflash_train.train.recipe import load_recipe
 
 
 def _resolved(*overrides, drafter="init_from: /d"):

@@ -14,7 +14,12 @@ bfloat16 (`data.target_dtype`), interleaved on the same rows, and prints the spe
 the bf16 features are from the fp32 ones, and how often the greedy tokens (the `greedy` labels)
 agree with fp32's and with the data's next token.
 
-    python bench/bench_features.py [--rows 64] [--max-length 256] [--batch-size 8] [--repeats 3] [--dtypes]
+`--teachers` instead times the cache the kl loss's teacher needs against the lean cache (`greedy=False`:
+the forward stops after the deepest feature layer, no LM head) on the same rows, interleaved: the top 32
+over the whole head (`objective.kl_teacher: target_vocab`) and over a 4,096-id draft vocabulary, the ids
+most frequent in the rows' answers (`draft_vocab`). It prints each one's tokens/s and time against the lean's.
+
+    python bench/bench_features.py [--rows 64] [--max-length 256] [--batch-size 8] [--repeats 3] [--dtypes | --teachers]
 """
 
 from __future__ import annotations
@@ -122,6 +127,32 @@ def compare_target_dtypes(data: Path, work: Path, batch_size: int, rows_per_shar
             "greedy_is_data": {n: v / supervised for n, v in data_agree.items()}, "supervised": supervised}
 
 
+def compare_teachers(data: Path, work: Path, batch_size: int, rows_per_shard: int, repeats: int,
+                     draft_vocab: int = 4096, k: int = 32) -> dict:
+    """Best-of-`repeats` seconds of the lean cache and of the two top-k teachers' caches on the same rows."""
+    from dflash_train.data.prepare import load_prepared
+    from dflash_train.data.vocab import count_token_frequencies, reduced_vocab_maps
+    from dflash_train.features.cache import write_feature_cache
+    from dflash_train.target import load_target
+
+    model, _ = load_target(None, dtype=torch.float32)
+    ds = load_prepared(data)
+    counts = count_token_frequencies(zip(ds["input_ids"], ds["loss_mask"], strict=True), model.config.vocab_size)
+    vocab = reduced_vocab_maps(counts, draft_vocab)[1].nonzero().squeeze(1)
+    kinds = {"lean": dict(greedy=False), "target_vocab": dict(topk=k),
+             "draft_vocab": dict(topk=k, greedy=False, topk_vocab=vocab)}
+    times: dict[str, list[float]] = {name: [] for name in kinds}
+    for rep in range(repeats):
+        for name, kw in kinds.items():
+            t0 = time.perf_counter()
+            write_feature_cache(None, data, work / f"{name}-{rep}", batch_size=batch_size,
+                                rows_per_shard=rows_per_shard, model=model, **kw)
+            times[name].append(time.perf_counter() - t0)
+            shutil.rmtree(work / f"{name}-{rep}")
+    best = {name: min(t) for name, t in times.items()}
+    return {"tokens": sum(len(x) for x in ds["input_ids"]), "best_s": best, "times": times}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=64)
@@ -131,6 +162,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data", default="sharegpt")
     ap.add_argument("--dtypes", action="store_true", help="compare a float32 and a bfloat16 target instead")
+    ap.add_argument("--teachers", action="store_true",
+                    help="time the kl teacher's caches (whole head, draft vocabulary) against the lean cache instead")
     ap.add_argument("--prepared", help="take --rows evenly spaced rows of this prepared folder (e.g. rows the "
                     "target regenerated) instead of preparing --data")
     args = ap.parse_args()
@@ -150,6 +183,13 @@ def main() -> None:
             ds.select(range(0, len(ds), step)[: args.rows]).save_to_disk(str(work / "data"))
         else:
             prepare_dataset(None, args.data, work / "data", max_samples=args.rows, max_length=args.max_length)
+        if args.teachers:
+            r = compare_teachers(work / "data", work, args.batch_size, args.rows_per_shard, args.repeats)
+            lean = r["best_s"]["lean"]
+            print(f"tokens {r['tokens']}  threads {torch.get_num_threads()}  float32 target, best of {args.repeats}")
+            for name, t in r["best_s"].items():
+                print(f"cache {name:13s} {r['tokens'] / t:8.1f} tok/s  {t:7.2f} s  {t / lean:.2f}x the lean cache's time")
+            return
         if args.dtypes:
             r = compare_target_dtypes(work / "data", work, args.batch_size, args.rows_per_shard, args.repeats)
             print(f"tokens {r['tokens']}  threads {torch.get_num_threads()}  supervised positions {r['supervised']}")

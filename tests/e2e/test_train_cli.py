@@ -55,9 +55,11 @@ eval: {{enabled: true, max_prompts: 2, max_new_tokens: 8}}
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_kl_to_the_targets_topk_trains_a_reduced_vocab_drafter(tmp_path, smollm2_path, smollm2):
+@pytest.mark.parametrize("teacher", ["target_vocab", "draft_vocab"])
+def test_kl_to_the_targets_topk_trains_a_reduced_vocab_drafter(tmp_path, smollm2_path, smollm2, teacher):
     """`--set objective.loss=kl` on SmolLM2 with memory features and a 512-id draft vocab: the target's
-    top-32 are computed with the features, mapped into the draft vocab, and the KL falls."""
+    top-32 (over its whole head, or over the draft vocab's 512 ids) are computed with the features, mapped
+    into the draft vocab, and the KL falls."""
     from conftest import make_train_prepared
 
     from dflash_train.model.checkpoint import load_drafter
@@ -76,7 +78,8 @@ eval: {{enabled: false}}
 """)
     out = tmp_path / "run"
     res = subprocess.run([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out),
-                          "--max-steps", "12", "--set", "objective.loss=kl", "--set", "objective.kl_topk=32"],
+                          "--max-steps", "12", "--set", "objective.loss=kl", "--set", "objective.kl_topk=32",
+                          "--set", f"objective.kl_teacher={teacher}"],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert res.returncode == 0, res.stderr[-3000:]
     assert "loss: kl  # --set" in (out / "resolved_config.yaml").read_text()

@@ -460,3 +460,38 @@ def test_an_unstamped_shard_is_checked_per_row_and_a_tampered_one_when_opened(ca
     tampered = _rewritten_copy(cache, tmp_path / "ids", other_ids)
     with pytest.raises(DataError, match="row 2 holds other tokens than the prepared data"):
         FeatureCache(tampered).document(0)  # found when the shard opens, whichever row is read
+
+
+def test_a_topk_over_a_draft_vocabulary_is_its_own_cache(cache, prepared, smollm2, tmp_path):
+    """topk_vocab (objective.kl_teacher: draft_vocab): the shards hold the top k over those ids, as the head's
+    rows of those ids give them, no greedy tokens (the whole head never ran) and the same features; the
+    manifest names the vocabulary, a reader asking for another teacher is refused by name, and a rerun over
+    another vocabulary will not resume into the folder."""
+    from dflash_train.features.extract import vocab_tag
+    from dflash_train.features.online import pad_right, target_forward
+
+    vocab = torch.arange(0, 4000, 7)
+    out = write_feature_cache(None, prepared, tmp_path / "topv", batch_size=3, rows_per_shard=4, model=smollm2[0],
+                              topk=6, greedy=False, topk_vocab=vocab)
+    m = json.loads((out / MANIFEST_FILE).read_text())
+    assert m["topk_vocab"] == vocab_tag(vocab) and m["greedy_next"] is False and m["complete"]
+    plain, top = FeatureCache(cache), FeatureCache(out, topk=6, topk_vocab=vocab_tag(vocab))
+    shard = [plain.document(i) for i in range(3)]
+    ids, attn = pad_right([d.input_ids for d in shard])
+    _, greedy, top_ids, top_logp = target_forward(smollm2[0], LAYERS, ids, attn, topk=6, greedy=False,
+                                                  topk_vocab=vocab)
+    assert greedy is None
+    for j, d in enumerate(shard):
+        got, n = top.document(j), len(d)
+        assert torch.equal(got.features, d.features) and bool((got.greedy_next == -1).all())
+        assert torch.equal(got.target_topk_ids, top_ids[j, :n]) and bool(torch.isin(got.target_topk_ids.long(), vocab).all())
+        assert torch.equal(got.target_topk_logp, top_logp[j, :n].bfloat16())
+    with pytest.raises(DataError, match=r"top-k is over ids 572-.*one over the whole vocabulary"):
+        FeatureCache(out, topk=6)
+    full = write_feature_cache(None, prepared, tmp_path / "full", batch_size=3, rows_per_shard=4, model=smollm2[0],
+                               topk=6)
+    with pytest.raises(DataError, match=r"top-k is over the whole vocabulary, but .* over ids 572-"):
+        FeatureCache(full, topk=6, topk_vocab=vocab_tag(vocab))
+    with pytest.raises(DataError, match="topk_vocab"):
+        write_feature_cache(None, prepared, out, batch_size=3, rows_per_shard=4, model=smollm2[0], topk=6,
+                            greedy=False, topk_vocab=vocab[1:])

@@ -131,3 +131,28 @@ def test_greedy_labels_come_chunk_by_chunk_and_equal_the_full_argmax(smollm2):
     assert torch.equal(out.next_tokens, ref.logits.argmax(-1))
     torch.testing.assert_close(out.features, torch.cat([ref.hidden_states[t + 1] for t in [2, 9, 28]], -1),
                                rtol=0, atol=1e-5)
+
+
+def test_head_outputs_over_a_vocabulary_are_the_top_k_of_those_ids_normalised_over_them(smollm2):
+    """`vocab` (a drafter's reduced vocabulary): the top k of the head's logits at those ids only, as target
+    ids, with log-probabilities normalised over those ids; greedy=False returns no argmax, and a top-k over
+    the whole head without the argmax is refused (it gives the argmax for free)."""
+    from dflash_train.features.extract import head_outputs, vocab_tag
+
+    model, _ = smollm2
+    head = model.get_output_embeddings()
+    final = torch.randn(2, 9, 576)
+    vocab = torch.sort(torch.randperm(head.weight.shape[0], generator=torch.Generator().manual_seed(0))[:300]).values
+    greedy, ids, logp = head_outputs(head, final, topk=5, chunk=4, vocab=vocab, greedy=False)
+    assert greedy is None and ids.shape == (2, 9, 5) and ids.dtype == torch.int32
+    ref = torch.log_softmax(head(final)[..., vocab], -1)
+    want_logp, want_index = ref.topk(5, dim=-1)
+    assert torch.equal(ids.long(), vocab[want_index])
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
+    assert bool(torch.isin(ids.long(), vocab).all()) and float(logp[..., 0].max()) < 0
+    full_greedy, _, _ = head_outputs(head, final, topk=5, chunk=4, vocab=vocab)
+    assert torch.equal(full_greedy, head(final).argmax(-1))  # greedy=True still takes the whole head's argmax
+    with pytest.raises(ValueError, match="greedy=False needs a vocab"):
+        head_outputs(head, final, topk=5, greedy=False)
+    assert vocab_tag(vocab) == vocab_tag(vocab.clone()) != vocab_tag(vocab[1:])
+    assert vocab_tag(vocab).startswith("300-")

@@ -182,3 +182,15 @@ def test_the_demo_recipe_leaves_dtypes_to_the_machine(tmp_path):
         assert out.returncode == 0, out.stderr
         assert f"dtype: {dtype}  # auto: " in out.stdout and why in out.stdout
         assert f"precision: {precision}  # auto: " in out.stdout
+
+
+def test_a_kl_teacher_over_the_draft_vocabulary_needs_one():
+    from dflash_train.errors import ConfigError
+
+    base = {"data": {"prepared": "rows"}, "objective": {"loss": "kl", "kl_teacher": "draft_vocab"}}
+    with pytest.raises(ConfigError, match="kl_teacher: draft_vocab needs a reduced vocabulary.*draft_vocab_size"):
+        load_recipe(None, base=base)
+    ok = load_recipe(None, base={**base, "drafter": {"draft_vocab_size": 64}}).recipe.objective
+    assert ok.kl_teacher == "draft_vocab"
+    with pytest.raises(ConfigError, match="objective.kl_teacher"):
+        load_recipe(None, base=base, overrides=["objective.kl_teacher=draft"])

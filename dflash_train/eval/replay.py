@@ -143,9 +143,11 @@ def tau_with_error(per_row: Sequence[dict], resamples: int = BOOTSTRAP_RESAMPLES
             "steps": int(steps.sum()), "tokens": int(tokens.sum())}
 
 
-def paired_difference(a: dict, b: dict, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict:
+def paired_difference(a: dict, b: dict, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
+                      by_source: bool = True) -> dict:
     """tau(a) - tau(b) of two replay reports on the same rows, with the standard error of a paired
-    bootstrap (one draw of rows for both). Refuses reports on different rows."""
+    bootstrap (one draw of rows for both), and the same for each source's rows (`per_source`, when the
+    rows carry more than one). Refuses reports on different rows."""
     rows_a, rows_b = [(r["row"], r["tokens"]) for r in a["per_row"]], [(r["row"], r["tokens"]) for r in b["per_row"]]
     if rows_a != rows_b:
         raise DataError("paired_difference: the two replays ran on different held-out rows (or answer lengths); "
@@ -154,8 +156,16 @@ def paired_difference(a: dict, b: dict, resamples: int = BOOTSTRAP_RESAMPLES, se
     _, sb = _counts(b["per_row"])
     draw = _resample(len(rows_a), resamples, seed)
     diffs = _ratios(ta, sa, draw) - _ratios(ta, sb, draw)
-    return {"diff": float(ta.sum() / sa.sum() - ta.sum() / sb.sum()),
-            "se": float(diffs.std()) if len(rows_a) > 1 else None, "rows": len(rows_a)}
+    out = {"diff": float(ta.sum() / sa.sum() - ta.sum() / sb.sum()),
+           "se": float(diffs.std()) if len(rows_a) > 1 else None, "rows": len(rows_a)}
+    sources = sorted({r.get("source") for r in a["per_row"]} - {None})
+    if by_source and len(sources) > 1:
+        def part(report, name):
+            return {"per_row": [r for r in report["per_row"] if r.get("source") == name]}
+
+        out["per_source"] = {name: paired_difference(part(a, name), part(b, name), resamples, seed, by_source=False)
+                             for name in sources}
+    return out
 
 
 def run_replay(draft: str, rows: str, target: str | None = None, max_rows: int | None = None,
@@ -220,5 +230,7 @@ def summary_lines(report: dict) -> list[str]:
         v = report["versus"]
         se = "" if v["se"] is None else f" ± {v['se']:.3f}"
         lines.append(f"  against {v['baseline']} (tau {v['baseline_tau']:.3f}): {v['diff']:+.3f}{se} "
-                     "(paired over the same rows)")
+                     "(paired over the same rows)"
+                     + "".join(f"; {name} {e['diff']:+.3f}" + ("" if e["se"] is None else f" ± {e['se']:.3f}")
+                               for name, e in v.get("per_source", {}).items()))
     return lines

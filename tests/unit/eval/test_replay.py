@@ -73,6 +73,17 @@ def test_the_paired_difference_cancels_what_the_rows_share():
         paired_difference(a, other)
 
 
+def test_the_paired_difference_per_source_uses_each_sources_rows_alone():
+    chat, code = [(60, 30), (40, 20), (50, 40)], [(30, 25), (20, 19)]
+    rows_a = _rows(chat, "chat") + [{**r, "row": r["row"] + 3} for r in _rows(code, "code")]
+    slower = [{**r, "steps": r["steps"] + (2 if r["source"] == "code" else 0)} for r in rows_a]
+    d = paired_difference({"per_row": rows_a}, {"per_row": slower})
+    assert set(d["per_source"]) == {"chat", "code"}
+    assert d["per_source"]["chat"] == {"diff": 0.0, "se": 0.0, "rows": 3}  # only code's rows changed
+    assert d["per_source"]["code"]["diff"] == pytest.approx(50 / 44 - 50 / 48) and d["per_source"]["code"]["rows"] == 2
+    assert "per_source" not in paired_difference({"per_row": _rows(chat, "chat")}, {"per_row": _rows(chat, "chat")})
+
+
 @pytest.fixture
 def run_with_holdout(tmp_path, smollm2_path):
     """A prepared mixture (chat answers of several lengths) and a run folder holding out some of its rows."""

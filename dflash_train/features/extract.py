@@ -48,7 +48,9 @@ def head_outputs(head, final: torch.Tensor, topk: int | None = None, chunk: int 
     n = flat.shape[0]
     if vocab is None and not greedy:
         raise ValueError("head_outputs: greedy=False needs a vocab (the top-k over the whole head gives the argmax)")
-    rows = head.weight[vocab.to(head.weight.device)] if vocab is not None else None
+    if vocab is not None:  # moved to the device once, not per chunk
+        vocab = vocab.to(head.weight.device)
+    rows = head.weight[vocab] if vocab is not None else None
     out = torch.empty(n, dtype=torch.long, device=final.device) if greedy else None
     ids = logp = None
     if topk:
@@ -62,7 +64,7 @@ def head_outputs(head, final: torch.Tensor, topk: int | None = None, chunk: int 
         if topk:
             scores = logits if rows is None else torch.nn.functional.linear(x, rows)
             values, index = torch.log_softmax(scores.float(), -1).topk(topk, dim=-1)
-            ids[s: s + chunk] = index if vocab is None else vocab.to(index.device)[index]
+            ids[s: s + chunk] = index if vocab is None else vocab[index]
             logp[s: s + chunk] = values
         del logits
     greedy_ids = out.view(shape) if greedy else None

@@ -6,9 +6,10 @@ into `OUT/drafter/` (speculators format), then two lanes at once:
     its standard error; on the GPU when there is one: one target forward per row);
   - validate -> z-lab conversion -> serve dry run (CPU work: it hides behind the eval);
 -> a summary table. Every stage runs the installed command in a subprocess, exactly as a user would,
-and prints one status line; a stage whose output is already complete is skipped, so an interrupted
-demo resumes where it stopped. OUT is the demo's own folder (it carries the toolkit's marker), so its
-stages may replace their own earlier outputs in it.
+and prints one status line; a stage whose output is already complete and up to date is skipped, so an
+interrupted demo resumes where it stopped, and a recipe changed since trains and evaluates again. OUT is
+the demo's own folder (it carries the toolkit's marker), so its stages may replace their own earlier
+outputs in it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from dflash_train.stages import Stage, command_path, run_stage
+from dflash_train.train.run_folder import trained_otherwise
 
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m-demo.yaml"
 
@@ -39,26 +41,29 @@ def demo_stages(out: Path, recipe: Path, overrides: list[str], max_prompts: int,
     run, drafter = out / "run", out / "drafter"
     sets = [a for o in overrides for a in ("--set", o)]
     return [
+        # a run trained from other settings (the recipe changed since) is trained again
         Stage("train", [command_path("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
                         "--set", "eval.enabled=false", *sets, "--resume", "auto"],
-              done=run / "summary.json"),
+              done=run / "summary.json", replaces=run,
+              stale=lambda: trained_otherwise(run, recipe, ["eval.enabled=false", *overrides])),
         Stage("convert", [command_path("dflash-convert"), "to-speculators", str(run), str(drafter), "--overwrite"],
-              done=drafter / "config.json"),
+              done=drafter / "config.json", after=(run / "summary.json",)),
         Stage("eval", [command_path("dflash-train"), "eval", "--draft", str(drafter), "--prompts", str(run),
                        "--num-prompts", str(max_prompts), "--max-new-tokens", str(max_new_tokens),
                        "--json", str(out / "eval.json"), "--plot", str(out / "eval.png"),
                        # no plain decoding: losslessness is checked against the teacher-forced argmax,
                        # one target forward per prompt instead of one per token (~1.4 of the eval's ~3.3 min)
                        "--no-speedup", "--overwrite"],
-              done=out / "eval.json"),
+              done=out / "eval.json", after=(drafter / "config.json",)),
         Stage("replay", [command_path("dflash-train"), "replay", "--draft", str(drafter), "--rows", str(run),
                          "--device", device, "--json", str(out / "replay.json"), "--overwrite"],
-              done=out / "replay.json"),
+              done=out / "replay.json", after=(drafter / "config.json",)),
         Stage("validate", [command_path("dflash-convert"), "validate", str(drafter), "--target", "default",
                            "--json"]),
         # a reduced-vocab drafter is refused by SGLang's format unless rebuilt with the full head
         Stage("to-zlab", [command_path("dflash-convert"), "to-zlab", str(drafter), str(out / "drafter-zlab"),
-                          "--expand-vocab", "--overwrite"], done=out / "drafter-zlab" / "config.json"),
+                          "--expand-vocab", "--overwrite"], done=out / "drafter-zlab" / "config.json",
+              after=(drafter / "config.json",)),
         Stage("serve", [command_path("dflash-serve"), str(drafter), "--dry-run"]),
     ]
 
@@ -73,6 +78,8 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     own = (folder_stamp(out) or {}).get("command") == "demo"  # an earlier demo: resumed stage by stage
     ensure_folder(plan_output(out, "--output", sources=[recipe], own=own, overwrite=None), "demo")
     stages = demo_stages(out, recipe, overrides or [], max_prompts, max_new_tokens, replay_device())
+    earlier = out / "demo_summary.json"
+    took = (json.loads(earlier.read_text()).get("stage_seconds") or {}) if earlier.is_file() else {}
     t0 = time.time()
     with open(out / "demo.log", "a") as log:
         run_lanes(stages, log)
@@ -105,12 +112,18 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
                   "eval_json": str(out / "eval.json"), "eval_plot": str(out / "eval.png"),
                   "replay_json": str(out / "replay.json"),
                   "curves": str(out / "run" / "curves.png"), "run": str(out / "run")},
-        "stage_seconds": {s.name: round(s.seconds, 1) for s in stages},
+        "stage_seconds": stage_seconds(stages, took),
         "wall_seconds": round(time.time() - t0, 1),
         "machine": machine_facts(),
     }
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def stage_seconds(stages: list[Stage], earlier: dict) -> dict:
+    """Each stage's seconds; one skipped as cached keeps the time it took when it ran (`earlier`: the earlier
+    summary's), so a rerun over a finished demo does not erase what it cost."""
+    return {s.name: earlier.get(s.name) if s.status == "cached" else round(s.seconds, 1) for s in stages}
 
 
 def run_lanes(stages: list[Stage], log) -> None:

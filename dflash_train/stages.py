@@ -1,8 +1,10 @@
 """Installed commands run as stages: one subprocess each, exactly as a user would type it.
 
 A stage names the file that exists once its output is complete; such a stage is skipped, so a
-pipeline of stages (the demo, a sweep) resumes where it stopped. stdout is kept for the caller's
-summary and the log; stderr (the progress bars) goes through to the terminal.
+pipeline of stages (the demo, a sweep) resumes where it stopped, unless that output is out of date:
+older than an earlier stage's output it was made from, or made from other settings (a recipe that
+changed since). stdout is kept for the caller's summary and the log; stderr (the progress bars) goes
+through to the terminal.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +26,11 @@ class Stage:
     argv: list[str]
     done: Path | None = None  # this file exists when the stage's output is complete
     allowed_exit: tuple[int, ...] = (0,)
+    after: tuple[Path, ...] = ()  # earlier stages' outputs this one is made from: a `done` older than one is redone
+    # why the existing output was made from other settings (None: it was not, or there is none); the stage's
+    # own folder `replaces` is then removed before it runs again
+    stale: Callable[[], str | None] | None = None
+    replaces: Path | None = None
     seconds: float = 0.0
     status: str = "pending"
     output: list[str] = field(default_factory=list)
@@ -34,13 +42,34 @@ def command_path(name: str) -> str:
     return str(local) if local.exists() else (shutil.which(name) or name)
 
 
-def run_stage(stage: Stage, log, prefix: str = "[demo]") -> None:
-    """Run `stage` (or skip it when its `done` file exists); a failure raises with its output's tail."""
-    t0 = time.time()
+def out_of_date(stage: Stage) -> str | None:
+    """Why the stage's existing output cannot be kept (None: it can, or there is none)."""
+    why = stage.stale() if stage.stale is not None else None
+    if why:
+        return why
     if stage.done is not None and stage.done.exists():
+        made = stage.done.stat().st_mtime_ns
+        newer = [p for p in stage.after if p.exists() and p.stat().st_mtime_ns > made]
+        if newer:
+            return f"{newer[0]} is newer than {stage.done}"
+    return None
+
+
+def run_stage(stage: Stage, log, prefix: str = "[demo]") -> None:
+    """Run `stage`, or skip it when its `done` file exists and is not out of date; a failure raises with its
+    output's tail."""
+    t0 = time.time()
+    why = out_of_date(stage)
+    if why is None and stage.done is not None and stage.done.exists():
         stage.status = "cached"
         print(f"{prefix} {stage.name:9s} cached ({stage.done})", flush=True)
         return
+    if why is not None:
+        replaced = f"; {stage.replaces} is removed" if stage.replaces is not None and stage.replaces.exists() else ""
+        print(f"{prefix} {stage.name:9s} out of date ({why}){replaced}: running it again", flush=True)
+        log.write(f"\n# {stage.name}: out of date ({why}){replaced}\n")
+        if replaced:
+            shutil.rmtree(stage.replaces)
     print(f"{prefix} {stage.name:9s} $ {' '.join(stage.argv)}", flush=True)
     log.write(f"\n$ {' '.join(stage.argv)}\n")
     log.flush()

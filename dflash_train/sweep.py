@@ -6,8 +6,9 @@ overrides, comes first); a fraction trains on that share of the training rows
 (`data.train_fraction`, nested and in each source's proportion). The held-out rows, the prepared
 and regenerated rows and the offline feature cache are shared by every run, so a run costs its
 training and its eval only. Each run is `dflash-train train` then `dflash-train eval --no-speedup`
-in a subprocess, into `OUT/<variant>-f<fraction>/` (its eval report beside it, `.eval.json`); a finished run is skipped, so an interrupted
-sweep resumes. Writes `OUT/sweep.json`, `OUT/sweep.md` (the table) and `OUT/sweep.png` (tau
+in a subprocess, into `OUT/<variant>-f<fraction>/` (its eval report beside it, `.eval.json`); a finished run is
+skipped, so an interrupted sweep resumes, unless its settings changed since (a variant redefined, a recipe
+edited): that run trains again. Writes `OUT/sweep.json`, `OUT/sweep.md` (the table) and `OUT/sweep.png` (tau
 against training rows, per source and variant).
 
 `--seeds 0,1,2` trains every run once per seed (`seed`, which draws the initialisation, the anchors and
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from dflash_train.errors import ConfigError
 from dflash_train.stages import Stage, command_path, run_stage
+from dflash_train.train.run_folder import trained_otherwise
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -99,15 +101,17 @@ def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant
                         f"data.train_fraction={fraction:g}", *seeded) for a in ("--set", o)]
     stages = [
         Stage("train", [command_path("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
-                        *sets, "--resume", "auto"], done=run / "summary.json"),
+                        *sets, "--resume", "auto"], done=run / "summary.json", replaces=run,
+              stale=lambda: trained_otherwise(run, recipe, sets[1::2])),
         Stage("eval", [command_path("dflash-train"), "eval", "--draft", str(run), "--prompts", str(run),
                        *on_target,
                        "--num-prompts", str(num_prompts), "--max-new-tokens", str(max_new_tokens), "--no-speedup",
-                       "--json", str(eval_path(run)), "--overwrite"], done=eval_path(run)),
+                       "--json", str(eval_path(run)), "--overwrite"], done=eval_path(run),
+              after=(run / "summary.json",)),
         # every held-out row, every answer token: the measure a difference between runs is read from
         Stage("replay", [command_path("dflash-train"), "replay", "--draft", str(run), "--rows", str(run),
                          *on_target, "--json", str(replay_path(run)),
-                         "--overwrite"], done=replay_path(run)),
+                         "--overwrite"], done=replay_path(run), after=(run / "summary.json",)),
     ]
     return stages if decode else [st for st in stages if st.name != "eval"]
 

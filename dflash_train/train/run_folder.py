@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.train import checkpointing as ckpt
-from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe, load_recipe
+from dflash_train.train.recipe import RUN_IDENTITY, ResolvedRecipe, TrainRecipe, load_recipe
 
 RESUME_MODES = ("must", "auto")  # --resume: a checkpoint must exist / resume one if it exists, else start
 
@@ -31,12 +31,10 @@ def check_output(output: Path, resolved: ResolvedRecipe, resume: str | None, sou
             raise ConfigError(f"--resume: {output} holds no training run to resume; run without --resume to start "
                               "one, or pass --resume auto (resume when there is a checkpoint, else start)")
         return
-    previous = load_recipe(cfg_file)
-    if previous.identity() != resolved.identity():
-        old, new = previous.identity(), resolved.identity()
-        diff = next(k for k in old if old[k] != new[k])
-        raise ConfigError(f"--output {output}: holds a different run (its `{diff}` section differs from this "
-                          "recipe); choose a new --output (nothing was overwritten)")
+    diff = differs(output, resolved)
+    if diff:
+        raise ConfigError(f"--output {output}: holds a different run ({diff}); choose a new --output "
+                          "(nothing was overwritten)")
     if resume is None:
         raise ConfigError(f"--output {output}: holds a run already; pass --resume to continue it or choose a new "
                           "--output (nothing was overwritten)")
@@ -54,6 +52,40 @@ def check_output(output: Path, resolved: ResolvedRecipe, resume: str | None, sou
     if resume == "must":
         raise ConfigError(f"--resume: {output} has no checkpoint to resume from; pass --resume auto to start this "
                           "run over in it, or choose a new --output")
+
+
+def first_difference(old, new, path: str = "") -> str | None:
+    """`field: a in the run, b now` for the first leaf where two config trees differ, else None."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in [*old, *(k for k in new if k not in old)]:
+            found = first_difference(old.get(key), new.get(key), f"{path}.{key}" if path else key)
+            if found:
+                return found
+        return None
+    return None if old == new else f"its `{path}` is {old!r}, this recipe's {new!r}"
+
+
+def differs(output: Path, resolved: ResolvedRecipe, sections: tuple[str, ...] = RUN_IDENTITY) -> str | None:
+    """How the run in `output` (its resolved_config.yaml) differs from `resolved` in `sections`, else None."""
+    old = load_recipe(output / "resolved_config.yaml").recipe.model_dump(mode="json")
+    new = resolved.recipe.model_dump(mode="json")
+    return first_difference({k: old[k] for k in sections}, {k: new[k] for k in sections})
+
+
+def trained_otherwise(output: Path, config: Path, overrides: list[str]) -> str | None:
+    """Why the run in `output` is not the one `config` with `overrides` trains on this machine (a field that
+    decides the drafter, optim included, differs), for a pipeline (the demo, a sweep) that trains it again;
+    None when it is, or when `output` holds no run."""
+    from dflash_train.train.auto_dtypes import resolve_auto_dtypes
+    from dflash_train.train.init_from import resolve_init_from
+
+    if not (output / "resolved_config.yaml").is_file():
+        return None
+    resolved = resolve_auto_dtypes(resolve_init_from(load_recipe(config, overrides)))
+    try:
+        return differs(output, resolved, (*RUN_IDENTITY, "optim"))
+    except ConfigError as exc:  # written by a toolkit whose schema had other fields
+        return f"its resolved_config.yaml no longer loads: {str(exc).splitlines()[0]}"
 
 
 def past_the_end(output: Path, step: int, total: int) -> str:

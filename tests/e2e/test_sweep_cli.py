@@ -1,5 +1,5 @@
 """`dflash-train sweep`: settings x data fractions, each trained and evaluated on the same held-out
-prompts, with tau per source; a rerun resumes (every finished run is skipped)."""
+prompts, with tau per source; a rerun resumes (every finished run is skipped, unless its settings changed)."""
 
 import json
 import os
@@ -89,6 +89,18 @@ logging: {{log_every: 1, eval_every: 100, progress: false}}
     assert swept["baseline"]["tau"] == runs["baseline", 1.0]["tau"]  # decoded in the first sweep: kept
     assert swept["lr"]["replay"]["rows"] == len(held) and "vs_baseline" in swept["lr"]["replay"]
     assert "replayed chat" in fast.stdout and " eval " not in fast.stdout.replace("cached", "")
+
+    # the variant redefined under its old name: its run was trained otherwise, so it trains again (the baseline
+    # and its replay stay cached)
+    lr_run = out / "lr-f1"
+    redone = subprocess.run([*argv[:argv.index("--fractions")], "--no-decode", "--variant", "lr: optim.lr=5.0e-3"],
+                            capture_output=True, text=True, timeout=1200, env=env)
+    assert redone.returncode == 0, redone.stderr[-3000:]
+    assert "[lr x1] train     out of date (its `optim.lr` is 0.002, this recipe's 0.005)" in redone.stdout
+    assert "[lr x1] replay    $" in redone.stdout and "[baseline x1] train     cached" in redone.stdout
+    assert "lr: 0.005" in (lr_run / "resolved_config.yaml").read_text()
+    assert json.loads((out / "lr-f1.replay.json").read_text())["tau"] == \
+        {r["variant"]: r for r in json.loads((out / "sweep.json").read_text())["runs"]}["lr"]["replay"]["tau"]
 
 
 def test_bad_variants_and_fractions_are_named():

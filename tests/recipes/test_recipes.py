@@ -48,6 +48,11 @@ def test_paper_recipe_values():
 
     assert [source_label(s) for s in demo.data.source] == ["chitchat", "sharegpt"]
     assert demo.data.features == "offline" and demo.data.holdout_fraction > 0
+    # issue 31's settings: KL to the target's top k among the draft ids with the reduced head trained (the demo's
+    # reduced vocabulary), and the prefix weighting every recipe carries
+    assert (demo.objective.loss, demo.objective.kl_teacher, demo.drafter.train_lm_head) == ("kl", "draft_vocab", True)
+    assert all(load_recipe(p).recipe.objective.prefix_weighting for p in RECIPES), \
+        [p.name for p in RECIPES if not load_recipe(p).recipe.objective.prefix_weighting]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,4 +1,5 @@
-"""dflash_train/demo.py: its stages resume the run and may replace their own outputs in OUT."""
+"""dflash_train/demo.py and dflash_train/stages.py: the demo's stages resume the run, may replace their own
+outputs in OUT, and make again an output that is out of date."""
 
 from pathlib import Path
 
@@ -62,3 +63,46 @@ def test_a_failing_side_stage_is_raised_after_the_main_lane_ends(tmp_path):
         run_lanes(stages, io.StringIO())
     by_name = {s.name: s for s in stages}
     assert by_name["replay"].status == "ok" and by_name["to-zlab"].status == "pending"
+
+
+def test_an_output_older_than_its_input_or_made_otherwise_is_made_again(tmp_path):
+    import io
+    import os
+
+    from dflash_train.stages import Stage, run_stage
+
+    run, report = tmp_path / "run", tmp_path / "report.json"
+    why = []
+    make_run = _py(f"import pathlib; p = pathlib.Path({str(run)!r}); p.mkdir(); (p / 'summary.json').write_text('1')")
+    train = Stage("train", make_run, done=run / "summary.json", replaces=run, stale=lambda: why[0] if why else None)
+    evaluate = Stage("eval", _py(f"open({str(report)!r}, 'w').write('r')"), done=report, after=(run / "summary.json",))
+    for stage in (train, evaluate):
+        run_stage(stage, io.StringIO())
+    assert (train.status, evaluate.status) == ("ok", "ok")
+    for stage in (train, evaluate):  # up to date: skipped
+        run_stage(stage, io.StringIO())
+    assert (train.status, evaluate.status) == ("cached", "cached")
+
+    os.utime(report, ns=(1, 1))  # the report is older than the run it was made from
+    run_stage(evaluate, io.StringIO())
+    assert evaluate.status == "ok" and report.stat().st_mtime_ns > 1
+
+    (run / "old-checkpoint").mkdir()
+    why.append("its `objective.loss` is 'ce', this recipe's 'kl'")
+    log = io.StringIO()
+    run_stage(train, log)  # the run's own folder is removed, then the stage makes it again
+    assert train.status == "ok" and not (run / "old-checkpoint").exists() and (run / "summary.json").is_file()
+    assert "out of date (its `objective.loss` is 'ce', this recipe's 'kl')" in log.getvalue()
+    why.clear()
+    run_stage(evaluate, io.StringIO())
+    assert evaluate.status == "ok"  # the run was made again after the report
+
+
+def test_a_cached_stage_keeps_the_seconds_it_took_when_it_ran():
+    from dflash_train.demo import stage_seconds
+    from dflash_train.stages import Stage
+
+    ran, cached = Stage("eval", [], status="ok", seconds=12.34), Stage("train", [], status="cached", seconds=0.01)
+    new = Stage("serve", [], status="cached")
+    assert stage_seconds([ran, cached, new], {"train": 2495.1, "eval": 300.0}) == \
+        {"eval": 12.3, "train": 2495.1, "serve": None}

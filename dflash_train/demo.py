@@ -39,13 +39,13 @@ def replay_device() -> str:
 def demo_stages(out: Path, recipe: Path, overrides: list[str], max_prompts: int, max_new_tokens: int,
                 device: str = "cpu") -> list[Stage]:
     run, drafter = out / "run", out / "drafter"
-    sets = [a for o in overrides for a in ("--set", o)]
+    settings = ["eval.enabled=false", *overrides]
+    sets = [a for o in settings for a in ("--set", o)]
     return [
         # a run trained from other settings (the recipe changed since) is trained again
         Stage("train", [command_path("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
-                        "--set", "eval.enabled=false", *sets, "--resume", "auto"],
-              done=run / "summary.json", replaces=run,
-              stale=lambda: trained_otherwise(run, recipe, ["eval.enabled=false", *overrides])),
+                        *sets, "--resume", "auto"],
+              done=run / "summary.json", replaces=run, stale=lambda: trained_otherwise(run, recipe, settings)),
         Stage("convert", [command_path("dflash-convert"), "to-speculators", str(run), str(drafter), "--overwrite"],
               done=drafter / "config.json", after=(run / "summary.json",)),
         Stage("eval", [command_path("dflash-train"), "eval", "--draft", str(drafter), "--prompts", str(run),

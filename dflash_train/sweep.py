@@ -97,12 +97,13 @@ def sweep_stages(out: Path, recipe: Path, overrides: list[str], variant: Variant
     run = run_folder(out, variant, fraction, seed)
     on_target = ["--target", target] if target else []
     seeded = () if seed is None else (f"seed={seed}",)
-    sets = [a for o in ("data.features=offline", "eval.enabled=false", *overrides, *variant.overrides,
-                        f"data.train_fraction={fraction:g}", *seeded) for a in ("--set", o)]
+    settings = ["data.features=offline", "eval.enabled=false", *overrides, *variant.overrides,
+                f"data.train_fraction={fraction:g}", *seeded]
+    sets = [a for o in settings for a in ("--set", o)]
     stages = [
         Stage("train", [command_path("dflash-train"), "train", "--config", str(recipe), "--output", str(run),
                         *sets, "--resume", "auto"], done=run / "summary.json", replaces=run,
-              stale=lambda: trained_otherwise(run, recipe, sets[1::2])),
+              stale=lambda: trained_otherwise(run, recipe, settings)),
         Stage("eval", [command_path("dflash-train"), "eval", "--draft", str(run), "--prompts", str(run),
                        *on_target,
                        "--num-prompts", str(num_prompts), "--max-new-tokens", str(max_new_tokens), "--no-speedup",

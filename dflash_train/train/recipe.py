@@ -339,10 +339,6 @@ class ResolvedRecipe:
         """YAML of the resolved config; every leaf line ends with `# <layer>`."""
         return "".join(_emit(self.recipe.model_dump(mode="json"), self.sources, "", 0))
 
-    def identity(self) -> dict:
-        data = self.recipe.model_dump(mode="json")
-        return {k: data[k] for k in RUN_IDENTITY}
-
 
 def _emit(tree: dict, sources: dict[str, str], prefix: str, indent: int):
     pad = "  " * indent

@@ -55,7 +55,8 @@ def check_output(output: Path, resolved: ResolvedRecipe, resume: str | None, sou
 
 
 def first_difference(old, new, path: str = "") -> str | None:
-    """`field: a in the run, b now` for the first leaf where two config trees differ, else None."""
+    """"its `a.b` is <the run's value>, this recipe's <value>" for the first leaf where two config trees
+    differ (`old`: the run's), else None."""
     if isinstance(old, dict) and isinstance(new, dict):
         for key in [*old, *(k for k in new if k not in old)]:
             found = first_difference(old.get(key), new.get(key), f"{path}.{key}" if path else key)

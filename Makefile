@@ -67,10 +67,10 @@ demo: install vllm-venv
 	DFLASH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VENV)/bin/dflash-train demo --output runs/demo
 
 # a GPU user's first command: the same stages on one GPU, sized for ~5 minutes (recipes/smollm2-135m-demo-gpu.yaml);
-# tau on 8 decoded prompts (lossless check) and replayed on every held-out row (with its standard error)
+# tau on 4 decoded prompts (lossless check) and replayed on every held-out row (with its standard error)
 demo-gpu: install
 	$(VENV)/bin/dflash-train demo --config recipes/smollm2-135m-demo-gpu.yaml --output runs/demo-gpu \
-		--num-prompts 8 --max-new-tokens 128
+		--num-prompts 4 --max-new-tokens 128
 
 lint: install
 	$(VENV)/bin/ruff check dflash_train convert serve_shim tests bench

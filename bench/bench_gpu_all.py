@@ -41,7 +41,7 @@ def default_plan() -> list[dict]:
              "max_s": 150},
             {"name": "demo-gpu", "argv": [str(Path(PY).parent / "dflash-train"), "demo", "--config",
                                           "recipes/smollm2-135m-demo-gpu.yaml", "--output", "runs/demo-gpu",
-                                          "--num-prompts", "8", "--max-new-tokens", "128"], "max_s": 420},
+                                          "--num-prompts", "4", "--max-new-tokens", "128"], "max_s": 420},
             {"name": "regen", "argv": [PY, f"{bench}/bench_gpu_data.py", "--variant", "regen", "--json", "{rows}"],
              "max_s": 180},
             {"name": "head", "argv": [PY, f"{bench}/bench_head.py"], "max_s": 90}]

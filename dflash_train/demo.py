@@ -1,10 +1,11 @@
 """`dflash-train demo`: the whole pipeline on the embedded SmolLM2 target, stage by stage.
 
 prepare -> regenerate -> train (one `dflash-train train` run of the demo recipe) -> convert the run
-into `OUT/drafter/` (speculators format), then two lanes at once:
-  - spec-decode eval on held-out prompts -> replay of greedy serving on every held-out row (tau with
-    its standard error; on the GPU when there is one: one target forward per row);
+into `OUT/drafter/` (speculators format), then lanes at once (`lanes`):
+  - spec-decode eval on held-out prompts (batch-1 decoding on the CPU) -> replay of greedy serving on every
+    held-out row (tau with its standard error);
   - validate -> z-lab conversion -> serve dry run (CPU work: it hides behind the eval);
+  - on a GPU, the replay in a lane of its own (one target forward per row on the GPU, beside the CPU's eval);
 -> a summary table. Every stage runs the installed command in a subprocess, exactly as a user would,
 and prints one status line; a stage whose output is already complete and up to date is skipped, so an
 interrupted demo resumes where it stopped, and a recipe changed since trains and evaluates again. OUT is
@@ -27,6 +28,14 @@ DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m
 
 
 SIDE_LANE = ("validate", "to-zlab", "serve")  # CPU work, run beside the eval and the replay
+
+
+def lanes(device: str) -> list[tuple[str, ...]]:
+    """The stages that run beside the main lane, one tuple per lane (in order within it). On a GPU the replay
+    gets a lane of its own: it uses the GPU while the eval decodes on the CPU (the H200 run of 2026-11-27: the
+    eval ~70 s, the side lane's three start-up-bound stages 43 s, the replay after the eval). On a CPU the
+    replay waits for the eval: both would share the same cores."""
+    return [("replay",), SIDE_LANE] if device == "cuda" else [SIDE_LANE]
 
 
 def replay_device() -> str:
@@ -82,7 +91,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     took = (json.loads(earlier.read_text()).get("stage_seconds") or {}) if earlier.is_file() else {}
     t0 = time.time()
     with open(out / "demo.log", "a") as log:
-        run_lanes(stages, log)
+        run_lanes(stages, log, lanes(replay_device()))
     from dflash_train.eval.teacher_forced import headline as teacher_forced_headline
     from dflash_train.machine import machine_facts
 
@@ -126,31 +135,37 @@ def stage_seconds(stages: list[Stage], earlier: dict) -> dict:
     return {s.name: earlier.get(s.name) if s.status == "cached" else round(s.seconds, 1) for s in stages}
 
 
-def run_lanes(stages: list[Stage], log) -> None:
-    """The stages in order, except the side lane's, which start once the drafter is converted and run in a
-    thread beside the rest; their log lines are kept apart and appended when both lanes are done. A failure
-    in either lane is raised after both have stopped."""
-    side = [s for s in stages if s.name in SIDE_LANE]
-    main = [s for s in stages if s.name not in SIDE_LANE]
+def run_lanes(stages: list[Stage], log, side: list[tuple[str, ...]] | None = None) -> None:
+    """The stages in order, except those of the `side` lanes (default: the CPU side lane), which start once the
+    drafter is converted and run each in a thread beside the rest; their log lines are kept apart and appended,
+    lane by lane, when every lane is done. A failure in any lane is raised after all have stopped."""
+    side = [SIDE_LANE] if side is None else side
+    beside = {name for lane in side for name in lane}
+    main = [s for s in stages if s.name not in beside]
     split = next(i for i, s in enumerate(main) if s.name == "convert") + 1
     for stage in main[:split]:
         run_stage(stage, log)
-    side_log, errors = io.StringIO(), []
+    errors, threads = [], []
+    logs = [io.StringIO() for _ in side]
 
-    def side_lane() -> None:
+    def run_lane(lane: list[Stage], lane_log) -> None:
         try:
-            for stage in side:
-                run_stage(stage, side_log)
-        except BaseException as exc:  # noqa: BLE001 - raised in the main thread once both lanes stop
+            for stage in lane:
+                run_stage(stage, lane_log)
+        except BaseException as exc:  # noqa: BLE001 - raised in the main thread once every lane stops
             errors.append(exc)
 
-    thread = threading.Thread(target=side_lane, name="demo-side-lane", daemon=True)
-    thread.start()
+    for i, (names, lane_log) in enumerate(zip(side, logs, strict=True)):
+        lane = [s for s in stages if s.name in names]
+        threads.append(threading.Thread(target=run_lane, args=(lane, lane_log), name=f"demo-lane-{i}", daemon=True))
+        threads[-1].start()
     try:
         for stage in main[split:]:
             run_stage(stage, log)
     finally:
-        thread.join()
-        log.write(side_log.getvalue())
+        for thread in threads:
+            thread.join()
+        for lane_log in logs:
+            log.write(lane_log.getvalue())
     if errors:
         raise errors[0]

@@ -52,3 +52,14 @@ def test_the_default_plan_names_every_gpu_part():
     assert {n.removeprefix("step:") for n in names if n.startswith("step:")} == every
     refused = subprocess.run([sys.executable, str(SCRIPT), "--only", "nope"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--only nope: not a part" in refused.stderr
+
+
+def test_the_demo_part_runs_what_make_demo_gpu_runs():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_gpu_all import default_plan
+
+    demo = next(p for p in default_plan() if p["name"] == "demo-gpu")["argv"]
+    make = subprocess.run(["make", "-n", "--no-print-directory", "demo-gpu"], capture_output=True, text=True,
+                          cwd=ROOT, check=True).stdout
+    line = next(" ".join(x.split()) for x in make.replace("\\\n", " ").splitlines() if "dflash-train demo" in x)
+    assert demo[1:] == line.split("dflash-train", 1)[1].split()  # the same recipe, folder, prompts and tokens

@@ -50,6 +50,31 @@ def test_the_side_lane_runs_beside_the_eval_and_logs_after_it(tmp_path):
     assert text.index("replayed") < text.index("side done") < text.index("zlab")  # the side lane's lines kept apart
 
 
+def test_on_a_gpu_the_replay_runs_in_a_lane_of_its_own_beside_the_eval(tmp_path):
+    import io
+    import time
+
+    from dflash_train.demo import SIDE_LANE, lanes, run_lanes
+    from dflash_train.stages import Stage
+
+    assert lanes("cpu") == [SIDE_LANE]  # on a CPU the replay waits for the eval: they would share the cores
+    assert lanes("cuda") == [("replay",), SIDE_LANE]
+    stamp = "import time, sys; time.sleep(1.5); print(sys.argv[1], 'done', time.time())"
+    stages = _timed_stages(tmp_path, side_code="print('side done')")
+    stages[3] = Stage("replay", _py(stamp) + ["replay"])
+    log = io.StringIO()
+    t0 = time.time()
+    run_lanes(stages, log, lanes("cuda"))
+    wall = time.time() - t0
+    by_name = {s.name: s for s in stages}
+    assert all(s.status == "ok" for s in stages)
+    # eval and replay each sleep 1.5 s: in one lane they would take 3 s
+    assert wall < by_name["eval"].seconds + by_name["replay"].seconds - 0.5, wall
+    text = log.getvalue()
+    # the main lane's lines first, then each side lane's, in the order the lanes are named
+    assert text.index("eval") < text.index("replay done") < text.index("side done") < text.index("zlab")
+
+
 def test_a_failing_side_stage_is_raised_after_the_main_lane_ends(tmp_path):
     import io
 

@@ -22,8 +22,9 @@ On the GPU machine run one or two variants per command (each fits its 10-minute 
 `--smoke` runs the same code on CPU at a tiny shape in fp32 (compiled flex is a row "n/a": torch has no
 CPU flex-attention backward), CI-safe, in about a minute; without a CUDA GPU the bench runs the smoke.
 
-`--profile N` runs N more steps of each step variant under torch.profiler (bench/gpu_profile.py): the
-share of the time the device is busy, milliseconds per kernel class and the heaviest kernels.
+`--profile N` runs N more steps of each variant under torch.profiler (dflash_train/train/profiling.py): the
+share of the time the device is busy, milliseconds per kernel class and the heaviest kernels. For `train`
+they are N more steps of the same `dflash-train train` run (`logging.profile_steps`), after the timed ones.
 
 Usage: python bench/bench_train_gpu.py [--smoke] [--variant NAME ...] [--list] [--steps 10]
        [--train-steps 60] [--json FILE] [--timeout 540] [--profile N]
@@ -44,8 +45,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_step import Shape, build_step  # noqa: E402 - the sibling benches, shared
-from gpu_profile import profile_lines  # noqa: E402
 from variants import add_arguments, answered, commit, error_of, run_all, run_child  # noqa: E402
+
+from dflash_train.train.profiling import profile_lines  # noqa: E402
 
 QWEN3_8B = Shape(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936,
                  target_hidden=4096, features=5, tokens=4096, anchors=512, block=16)
@@ -161,15 +163,16 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     row = {"step_s": step_s, "positions": int(mb.valid.sum()), "peak_bytes": peak, "flops": step_flops(shape, mb),
            "chunk": chunk, "head": head, "layer_ops": layer_ops, "fallbacks": dict(compiled.fallbacks)}
     if profile:  # after the timed steps: the profiler's own cost stays out of step_s
-        from gpu_profile import profile_steps
+        from dflash_train.train.profiling import profile_steps
 
         row["profile"] = profile_steps(step, profile, device)
     return row
 
 
-def train_throughput(smoke: bool, steps: int) -> dict:
+def train_throughput(smoke: bool, steps: int, profile: int = 0) -> dict:
     """`dflash-train train` on the SmolLM2 GPU recipe (no regeneration: throughput only): tokens/s
-    between the first and the last train log entries (the first window holds compile and warm-up)."""
+    between the first train log entry (the first window holds compile and warm-up) and the one at `steps`;
+    then `profile` more steps under the profiler (the run's profile.json, as the row's `profile`)."""
     sets = {"data.regenerate.enabled": "false", "data.max_samples": 2000, "eval.enabled": "false",
             "logging.log_every": 10, "logging.eval_every": 10**6, "checkpoint.save_every": 10**6,
             "logging.progress": "false"}
@@ -183,7 +186,9 @@ def train_throughput(smoke: bool, steps: int) -> dict:
         sets["data.cache_dir"] = str(Path(tmp) / "data")
         cmd = [str(Path(sys.executable).parent / "dflash-train"), "train", "--config",
                str(ROOT / "recipes" / "smollm2-135m-gpu.yaml"), "--output", str(Path(tmp) / "run"),
-               "--max-steps", str(steps)]
+               "--max-steps", str(steps + profile)]
+        if profile:
+            sets.update({"logging.profile_steps": profile, "logging.profile_from": steps})
         for key, value in sets.items():
             cmd += ["--set", f"{key}={value}"]
         env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"OMP_NUM_THREADS": "1"} if smoke else {})}
@@ -191,13 +196,15 @@ def train_throughput(smoke: bool, steps: int) -> dict:
         if out.returncode:
             raise RuntimeError(f"dflash-train train failed: {error_of(out.stderr)}")
         state = sorted((Path(tmp) / "run" / "checkpoints").glob("step-*/trainer_state/state.json"))[-1]
-        logs = [h for h in json.loads(state.read_text())["history"] if h["split"] == "train"]
+        logs = [h for h in json.loads(state.read_text())["history"] if h["split"] == "train" and h["step"] <= steps]
+        profiled = json.loads((Path(tmp) / "run" / "profile.json").read_text()) if profile else None
     first, last = logs[0], logs[-1]
     dt = last["time_s"] - first["time_s"]
     return {"tokens_per_s": (last["tokens"] - first["tokens"]) / dt, "step_s": dt / (last["step"] - first["step"]),
             "steps": last["step"] - first["step"], "layers": int(sets.get("drafter.num_layers", 3)),
             "tokens_per_microbatch": int(sets.get("batch.tokens_per_microbatch", 8192)),
-            "features": sets.get("data.features", _recipe_value("data", "features"))}
+            "features": sets.get("data.features", _recipe_value("data", "features")),
+            **({"profile": profiled} if profiled else {})}
 
 
 def _recipe_value(section: str, key: str) -> str:
@@ -227,7 +234,7 @@ def _train_line(t: dict) -> str:
 
 def _child(spec: dict) -> dict:
     if spec["kind"] == "train":
-        return train_throughput(spec["smoke"], spec["steps"])
+        return train_throughput(spec["smoke"], spec["steps"], spec.get("profile", 0))
     return run_variant(Shape(**spec["shape"]), spec["attention"], spec["checkpointing"], spec["steps"],
                        spec["device"], spec.get("head", "auto"), spec.get("layer_ops", "auto"), spec.get("profile", 0))
 
@@ -262,7 +269,8 @@ def main() -> None:
 
     def run_one(variant: str) -> dict:
         if variant == "train":
-            return run_child(__file__, {"kind": "train", "smoke": smoke, "steps": args.train_steps}, args.timeout)
+            return run_child(__file__, {"kind": "train", "smoke": smoke, "steps": args.train_steps,
+                                        "profile": args.profile}, args.timeout)
         layers, attention, checkpointing, head, layer_ops = STEP_VARIANTS[variant]
         label = {"layers": layers, "attention": _label(attention, checkpointing, head, layer_ops)}
         if attention == "flex" and device == "cpu":
@@ -278,6 +286,8 @@ def main() -> None:
         nonlocal header
         if variant == "train":
             print("\n" + _train_line(row), flush=True)
+            if "profile" in row:
+                print("\n".join(profile_lines(row["profile"])), flush=True)
             return
         if not header:
             print("| drafter | attention | step ms | positions/s | peak GiB | FLOP (bound) | of bound |")

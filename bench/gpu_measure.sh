@@ -12,7 +12,7 @@ out = []
 for item in sys.argv[1].split(","):
     name, max_s = item.split("=")
     p = plan[name]; p["max_s"] = int(max_s)
-    if name.startswith("step:") and name != "step:train":
+    if name.startswith("step:"):
         p["argv"] += ["--profile", "3"]
     out.append(p)
 json.dump(out, open("/tmp/plan.json", "w"))

@@ -53,8 +53,9 @@ from dflash_train.train.engine import (
 from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.init_from import resolve_init_from
 from dflash_train.train.loss import BlockStats
-from dflash_train.train.metrics import Progress, RunLog, plot_curves, write_summary
+from dflash_train.train.metrics import Laps, Progress, RunLog, plot_curves, write_summary
 from dflash_train.train.prefetch import StepPrefetch, worth_prefetching
+from dflash_train.train.profiling import StepProfile, profile_lines
 from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe
 from dflash_train.train.run_folder import RESUME_MODES, check_output, finished_summary, past_the_end, space_needed
 
@@ -256,13 +257,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     from dflash_train.outputs import check_writable, ensure_folder, plan_output
     from dflash_train.target import load_target, resolve_target, target_torch_dtype
 
-    t_start = time.time()
-    laps, last = {}, [t_start]  # where a run's time goes, stage by stage (summary.json `stage_seconds`)
-
-    def lap(name: str) -> None:
-        now = time.time()
-        laps[name] = round(laps.get(name, 0.0) + now - last[0], 2)
-        last[0] = now
+    t_start, lap = time.time(), Laps()
     resolved = resolve_init_from(resolved)
     recipe, output = resolved.recipe, Path(output)
     resume = {True: "must", False: None}.get(resume, resume)
@@ -372,11 +367,16 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     lap("setup")
     prefetch = StepPrefetch(lambda s: step_batches(recipe, source, plan, world, s), plan.total, world.device,
                             enabled=worth_prefetching(world.device, recipe.engine.prefetch))
+    profile = StepProfile(lg.profile_steps, state["step"] + lg.profile_from, plan.total, world.device,
+                          output if world.is_main else None)
     try:
         for step in range(state["step"], plan.total):
+            profile.begin(step)
             with oom_guard(recipe, world.device):
                 stats, tokens = train_step(engine, recipe, source, plan, world, step, guard, kernels,
                                            batches=prefetch.get(step))
+            if profile.end(step):
+                progress.note(profile_lines(profile.summary))
             if step + 1 == plan.total or any((step + 1) % n == 0 for n in (lg.log_every, lg.eval_every,
                                                                             recipe.checkpoint.save_every)):
                 guard.check()  # read once before anything is logged, validated or saved from this step
@@ -436,8 +436,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                         "logits_chunk": kernels.logits_chunk, "fallbacks": dict(compiled.fallbacks)},
             # the dtypes that ran and the layer that set each (`auto: this CPU has avx512_bf16`)
             "dtypes": dtype_fields(resolved),
-            "wall_time_s": round(time.time() - t_start, 2), "stage_seconds": {**laps, "final": round(time.time() - last[0], 2)},
-            "final": str(final), "eval": None,
+            "wall_time_s": round(time.time() - t_start, 2), "stage_seconds": lap.final(),
+            "final": str(final), "eval": None, "profile": profile.summary,  # logging.profile_steps
         }
         write_summary(output / "summary.json", summary)
         plot_curves(log.history, output / "curves.png")

@@ -67,6 +67,14 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
 
+    def note(self, lines: list[str]) -> None:
+        """Print lines above the bar (or plainly without one)."""
+        for line in lines:
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
+
     def show(self, stats: dict, lr: float, positions: int, fit: dict | None = None, val: dict | None = None) -> None:
         """stats: a BlockStats summary; positions: trained positions of the run so far; fit, val: the last
         check's entries (a block at every position of training and of held-out rows), shown beside the
@@ -121,3 +129,19 @@ def plot_curves(history: list[dict], path: Path) -> None:
 
 def write_summary(path: Path, summary: dict) -> None:
     write_json(path, summary)
+
+
+class Laps:
+    """Where a run's time goes, stage by stage (summary.json `stage_seconds`): `lap(name)` adds the seconds since
+    the last lap to `name`; `final()` closes the last one."""
+
+    def __init__(self):
+        self.seconds, self.last = {}, time.time()
+
+    def __call__(self, name: str) -> None:
+        now = time.time()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self.last, 2)
+        self.last = now
+
+    def final(self) -> dict:
+        return {**self.seconds, "final": round(time.time() - self.last, 2)}

@@ -239,6 +239,11 @@ class LoggingConfig(_Section):
     # to stand for every position, on the rows it is training on). null: as many as eval_documents; 0: off
     fit_documents: int | None = Field(None, ge=0)
     progress: bool = True
+    # steps run under torch.profiler (0: none), from `profile_from` steps after the run (re)starts, past the
+    # compiles: OUT/profile.json (device busy share, ms a step per kernel class, the heaviest kernels) and the
+    # trace beside it (train/profiling.py)
+    profile_steps: int = Field(0, ge=0)
+    profile_from: int = Field(20, ge=0)
 
 
 class EvalConfig(_Section):

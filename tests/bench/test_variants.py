@@ -59,6 +59,21 @@ def test_each_variant_appends_its_row_and_a_failure_is_a_row_too(tmp_path):
     assert "| 1 layer | dense | timed out after 0.5 s |" in slow.stdout
 
 
+@pytest.mark.slow
+def test_the_train_variant_profiles_steps_after_its_timed_ones(tmp_path):
+    """`--profile N` on `train`: the same `dflash-train train` run goes N steps further under the profiler
+    (logging.profile_steps), and its profile.json is the row's `profile`."""
+    rows = tmp_path / "rows.jsonl"
+    out = _bench("bench_train_gpu.py", "--smoke", "--variant", "train", "--profile", "2", "--json", rows)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = _rows(rows)
+    assert row["tokens_per_s"] > 0 and row["steps"] == 3  # the timed window: log 1 to log 4, before the profile
+    prof = row["profile"]
+    assert prof["first_step"] == 4 and prof["steps"] == prof["profiled_steps"] == 2 and prof["trace"]
+    assert prof["kernel_ms_per_step"] and 0 < prof["device_busy"] <= 1
+    assert "profile (2 steps)" in out.stdout
+
+
 def test_a_variant_that_raises_is_a_row_with_its_exception(tmp_path):
     """The child's own failure (here: no ShareGPT-prepared rows where the spec points) becomes the row's
     error, named by its exception line, not a crash of the bench."""

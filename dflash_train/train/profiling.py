@@ -1,15 +1,20 @@
-"""Where a bench step's time goes: a few steps under `torch.profiler`, summarised from its trace.
+"""Where a training step's time goes: a few steps under `torch.profiler`, summarised from its trace.
 
-`profile_steps(step, steps, device)` runs `step()` `steps` times under the profiler, writes the Chrome
-trace, and reads it back: the share of the profiled wall time in which the device ran a kernel (the
+The summary of a Chrome trace: the share of the profiled wall time in which the device ran a kernel (the
 union of the kernel intervals; the rest is the device waiting for the host), the time per kernel class
 per step (matmul, attention, compiled / triton, elementwise and reductions, copies, optimizer, other) and
-the heaviest kernels by name. On a CPU (the smoke) the events read are the top-level CPU operators.
+the heaviest kernels by name. On a CPU the events read are the top-level CPU operators.
+
+- `StepProfile`: `logging.profile_steps` steps of a `dflash-train train` run, from `logging.profile_from`
+  steps after it (re)starts (past the compiles); writes `OUT/profile.json` (the summary) and
+  `OUT/profile_trace.json` (the trace, for Perfetto or chrome://tracing).
+- `profile_steps(step, steps, device)`: the benches' form, `step()` called `steps` times.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 import time
@@ -98,3 +103,55 @@ def profile_lines(summary: dict) -> list[str]:
              f"ms/step by class: {classes}"]
     lines += [f"    {ms:8.3f} ms  {name}" for name, ms in summary["top_kernels"]]
     return lines
+
+
+class StepProfile:
+    """Profile the steps [first, first + steps) of a training loop: `begin(step)` before a step runs, `end(step)`
+    after it. The window is cut to the steps the run has left; only the main rank writes. Device work is
+    synchronised at the window's two edges only, so the steps inside queue as they do unprofiled."""
+
+    def __init__(self, steps: int, first: int, last: int, device, output: Path | None):
+        self.first = min(first, max(0, last - steps))
+        self.stop = min(self.first + steps, last)
+        self.device, self.output = str(getattr(device, "type", device)), output
+        self.prof, self.t0, self.summary = None, 0.0, None
+        if steps <= 0:
+            self.first = self.stop = -1
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+    def begin(self, step: int) -> None:
+        if step != self.first or self.output is None:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        self._sync()
+        self.prof = profile(activities=activities)
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def end(self, step: int) -> dict | None:
+        """The summary once the window's last step is done (also in `self.summary`), else None."""
+        if self.prof is None or step + 1 != self.stop:
+            return None
+        self._sync()
+        wall_us = (time.perf_counter() - self.t0) * 1e6
+        self.prof.__exit__(None, None, None)
+        trace_path = self.output / "profile_trace.json"
+        tmp = trace_path.with_name(f".{trace_path.name}.tmp")
+        self.prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, trace_path)
+        self.prof = None
+        steps = self.stop - self.first
+        summary = summarise_trace(json.loads(trace_path.read_text()), steps,
+                                  "kernel" if self.device == "cuda" else "cpu_op", wall_us)
+        self.summary = {"first_step": self.first, "steps": steps, **summary, "trace": trace_path.name}
+        from dflash_train.model.weights import write_json
+
+        write_json(self.output / "profile.json", self.summary)
+        return self.summary

@@ -393,7 +393,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                                                     "time_s": round(time.time() - t_loop, 3)})
                 window = BlockStats.zeros(recipe.drafter.block_size, world.device)
             if done % recipe.logging.eval_every == 0 or done == plan.total:
-                with oom_guard(recipe, world.device):
+                with oom_guard(recipe, world.device), lap.aside("checks"):
                     val = validate(engine, recipe, source, val_rows, labels, world, kernels)
                     fit = validate(engine, recipe, source, check_fit_rows, labels, world, kernels)
                 if val is not None:
@@ -401,7 +401,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                 if fit is not None:
                     log.record(done, "fit", *fit)
             if done % recipe.checkpoint.save_every == 0 or done == plan.total:
-                save(done)
+                with lap.aside("checkpoints"):
+                    save(done)
     finally:
         prefetch.close()  # also when a step fails: no build left running
     progress.close()

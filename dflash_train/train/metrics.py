@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_train.model.weights import write_json
@@ -133,15 +134,27 @@ def write_summary(path: Path, summary: dict) -> None:
 
 class Laps:
     """Where a run's time goes, stage by stage (summary.json `stage_seconds`): `lap(name)` adds the seconds since
-    the last lap to `name`; `final()` closes the last one."""
+    the last lap to `name`; `with lap.aside(name):` counts a block under `name` instead of the lap it sits in
+    (the checks and checkpoints inside the steps; on a GPU such a block's first device read also waits for the
+    steps still queued, ~a step's time); `final()` closes the last lap."""
 
     def __init__(self):
-        self.seconds, self.last = {}, time.time()
+        self.seconds, self.asides, self.last = {}, {}, time.time()
 
     def __call__(self, name: str) -> None:
         now = time.time()
         self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self.last, 2)
         self.last = now
 
+    @contextmanager
+    def aside(self, name: str):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            took = time.time() - t0
+            self.asides[name] = round(self.asides.get(name, 0.0) + took, 2)
+            self.last += took
+
     def final(self) -> dict:
-        return {**self.seconds, "final": round(time.time() - self.last, 2)}
+        return {**self.seconds, **self.asides, "final": round(time.time() - self.last, 2)}

@@ -10,9 +10,10 @@ longest prompt. Every row of a group runs until the group's longest answer ends,
 a CPU down (SmolLM2 on 2 cores: 32 rows give 72 tokens/s, 96 rows 45).
 
 CUDA:
-- a transformers `StaticCache` is passed to `generate`, which then runs every decode step through
-  `torch.compile` (transformers' default `CompileConfig`: inductor, mode "reduce-overhead", i.e. CUDA
-  graphs); the prefill stays eager. Attention is `data/gqa_decode.py`'s: a decode step reads
+- greedy rows (temperature 0, what regeneration uses) decode over a transformers `StaticCache` in
+  `data/static_decode.py`'s loop, not `generate`: every decode step through `torch.compile` as `generate`
+  compiles it (inductor, mode "reduce-overhead", i.e. CUDA graphs), with no read of the device between
+  steps but one every 16; the prefill stays eager. Sampling keeps `generate` with the static cache. Attention is `data/gqa_decode.py`'s: a decode step reads
   each cached K/V head once, where transformers' compiled SDPA path with a mask would repeat them.
 - a group's width (its padded prompt length) is rounded up to a ladder of two steps per octave (64, 96,
   128, 192, 256, 384, ...); its cache holds width + max_new_tokens positions. Each width gets the rows
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from dflash_train.data import static_decode
 from dflash_train.errors import DataError
 
 SAFETY = 0.6
@@ -160,6 +162,7 @@ class HFGenerator:
 
             use_gqa_decode(self.model)
         self.compile_config = compile_config
+        self._step = None  # the decode step's (compiled) model call, made at the first greedy static group
         self.max_rows = MAX_ROWS_CUDA if self.static else MAX_ROWS_CPU
         self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.free_bytes = torch.cuda.mem_get_info(torch.device(device))[0] if device == "cuda" else None
@@ -239,18 +242,26 @@ class HFGenerator:
             ids[r, width - len(p):] = torch.tensor(p)
             mask[r, width - len(p):] = 1
         extra = {}
-        if self.static:
-            extra["past_key_values"] = self._static_cache(n, width)
-            if self.compile_config is not None:
-                extra["compile_config"] = self.compile_config
-        torch.manual_seed(seed)
         sample = self.temperature > 0
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=self.max_new_tokens, do_sample=sample,
-                                  temperature=self.temperature if sample else None, top_p=None, top_k=None,
-                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id, **extra)
+        if self.static and not sample:  # greedy: our decode loop, no host sync per step (data/static_decode.py)
+            if self._step is None:
+                self._step = static_decode.compiled_forward(self.model, self.compile_config, self.device)
+            new_tokens = static_decode.greedy_decode(self.model, self._step, ids.to(self.device), mask.to(self.device),
+                                                     self._static_cache(n, width), self.max_new_tokens, self.stop_ids,
+                                                     self.pad_id).tolist()
+        else:
+            if self.static:
+                extra[static_decode.cache_kwarg(self.model)] = self._static_cache(n, width)
+                if self.compile_config is not None:
+                    extra["compile_config"] = self.compile_config
+            torch.manual_seed(seed)
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      max_new_tokens=self.max_new_tokens, do_sample=sample,
+                                      temperature=self.temperature if sample else None, top_p=None, top_k=None,
+                                      eos_token_id=self.stop_ids, pad_token_id=self.pad_id, **extra)
+            new_tokens = out[:, width:].tolist()
         results = []
-        for row in out[:, width:].tolist():
+        for row in new_tokens:
             new = []
             for t in row:
                 if t in self.stop_ids:

@@ -1,4 +1,4 @@
-"""HF generate for regeneration: memory plan, length-sorted groups, and the CUDA path (static KV cache,
+"""HF regeneration: memory plan, length-sorted groups, and the CUDA path (static KV cache, greedy loop,
 ladder widths, padded groups, out-of-memory split) run on CPU against plain per-prompt generate."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash_train.data import hf_generate as hg
+from dflash_train.data import static_decode
 from dflash_train.errors import DataError
 
 NEW = 6
@@ -123,14 +124,14 @@ def test_static_cache_path_equals_plain_generate(smollm2_path, smollm2, prompts,
     assert gen.static and gen.width_of(40) == 64
     gen.max_rows = 4
     calls = []
-    real = gen.model.generate
+    real = static_decode.greedy_decode
 
-    def spy(**kw):
-        calls.append((tuple(kw["input_ids"].shape), kw["past_key_values"]))
-        assert isinstance(kw["past_key_values"], StaticCache)
-        return real(**kw)
+    def spy(model, step, ids, mask, cache, *a):
+        calls.append((tuple(ids.shape), cache))
+        assert isinstance(cache, StaticCache)
+        return real(model, step, ids, mask, cache, *a)
 
-    monkeypatch.setattr(gen.model, "generate", spy)
+    monkeypatch.setattr(static_decode, "greedy_decode", spy)
     assert gen.generate(prompts) == reference
     # 6 prompts of 20-60 tokens: width 64; a full group of 4, then the other 2 (not padded), each its own cache
     assert [shape for shape, _ in calls] == [(4, 64), (2, 64)] and calls[0][1] is not calls[1][1]
@@ -142,20 +143,20 @@ def test_static_cache_path_equals_plain_generate(smollm2_path, smollm2, prompts,
     calls.clear()
     failed = []
 
-    def oom_once(**kw):
-        if kw["input_ids"].shape[0] == 4 and not failed:
+    def oom_once(model, step, ids, *a):
+        if ids.shape[0] == 4 and not failed:
             failed.append(1)
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return spy(**kw)
+        return spy(model, step, ids, *a)
 
-    monkeypatch.setattr(gen.model, "generate", oom_once)
+    monkeypatch.setattr(static_decode, "greedy_decode", oom_once)
     assert gen.generate(prompts) == reference
     assert failed and [shape for shape, _ in calls] == [(2, 64)] * 3 and gen.rows_for(64) == 2
 
-    def always_oom(**kw):
+    def always_oom(*a):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(gen.model, "generate", always_oom)
+    monkeypatch.setattr(static_decode, "greedy_decode", always_oom)
     with pytest.raises(DataError, match=r"one prompt of \d+ tokens with --max-new-tokens 6 does not fit.*--engine vllm"):
         gen.generate(prompts[:1])
 
@@ -163,18 +164,18 @@ def test_static_cache_path_equals_plain_generate(smollm2_path, smollm2, prompts,
 def test_other_errors_are_not_retried(smollm2_path, smollm2, prompts, monkeypatch):
     gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0, static_cache=True)
 
-    def broken(**kw):
+    def broken(*a):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(gen.model, "generate", broken)
+    monkeypatch.setattr(static_decode, "greedy_decode", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         gen.generate(prompts)
 
 
 @pytest.mark.slow
 def test_compiled_static_decoding_equals_eager(train_tiny_target, smollm2, prompts):
-    """What CUDA runs, compiled on CPU: `generate` with our StaticCache goes through torch.compile
-    (transformers' auto-compile, forced on CPU) and gives the same tokens as the eager dynamic path."""
+    """What CUDA runs, compiled on CPU: the greedy loop's decode step over our StaticCache goes through
+    torch.compile (as `generate` compiles it, forced on CPU) and gives the same tokens as the eager dynamic path."""
     from transformers import CompileConfig
 
     eager = hg.HFGenerator(str(train_tiny_target), smollm2[1], STOP, NEW, 0.0)
@@ -202,14 +203,13 @@ def test_partial_groups_run_their_own_rows_and_caches_are_reused_by_shape(smollm
     long_prompts = [p + p[-30:] + p[-30:] for p in prompts[:3]]  # 80-120 tokens: width 96 or 128
     long_ref = [_plain(*smollm2, p) for p in long_prompts]
     seen = []
-    real = gen.model.generate
+    real = static_decode.greedy_decode
 
-    def spy(**kw):
-        ids = kw["input_ids"]
-        seen.append((tuple(ids.shape), id(kw["past_key_values"]), len({tuple(r) for r in ids.tolist()})))
-        return real(**kw)
+    def spy(model, step, ids, mask, cache, *a):
+        seen.append((tuple(ids.shape), id(cache), len({tuple(r) for r in ids.tolist()})))
+        return real(model, step, ids, mask, cache, *a)
 
-    monkeypatch.setattr(gen.model, "generate", spy)
+    monkeypatch.setattr(static_decode, "greedy_decode", spy)
     assert gen.generate(prompts + long_prompts) == reference + long_ref
     first = len(seen)
     assert sorted(rows for (rows, _), _, _ in seen) == [2, 3, 4]  # 6 short prompts in 4 + 2, 3 long ones

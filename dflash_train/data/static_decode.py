@@ -1,0 +1,80 @@
+"""Greedy decoding of one left-padded group over a transformers `StaticCache`, without `generate`.
+
+transformers' `generate` (5.17, the GPU machines') does host work around every decode step: it grows
+`input_ids` and the attention mask by concatenation, rebuilds the model inputs, runs the stopping criteria
+and reads `unfinished_sequences.max() == 0` from the device, so the host waits for each step before it can
+queue the next one. On an H200 at 8275a25 SmolLM2's regeneration ran ~8 ms a decode step (23.9K new
+tokens/s over 512 rows), where the step's weight and KV reads take ~1.5 ms.
+
+Here, per group: one eager prefill (logits of the last position only), then each decode step is one call of
+the compiled model (with mode "reduce-overhead", a CUDA graph replay) and a few small device ops (argmax,
+the token written into a device buffer, the finished rows updated). Nothing is read back until every
+`CHECK_EVERY` steps, when one flag says whether every row has finished. The model is called with what
+`generate` passes it, so the tokens are greedy search's:
+- position ids: the prompt's own (mask cumsum - 1, pads at 0), then prompt length + step;
+- the cache, which counts the positions written itself (a device counter in transformers 5.17 and later;
+  passed as `past_key_values` there, as `cache` since 5.24);
+- logits of the last position only (`logits_to_keep=1`);
+- the 2D attention mask at the cache's full length, ones past the prompt: the causal mask hides the
+  positions not yet written, where `generate` pads its shorter mask with zeros to the same effect.
+A row that has finished keeps decoding until the group stops (rows do not interact), as in `generate`; its
+tokens after the stop are dropped by the caller, and at most `CHECK_EVERY - 1` steps run after the last row
+finishes.
+"""
+
+from __future__ import annotations
+
+CHECK_EVERY = 16  # decode steps between two reads of "has every row finished" (one host sync each)
+
+
+def compiled_forward(model, compile_config, device: str):
+    """The decode step's model call: compiled as `generate` compiles it (transformers' `get_compiled_call`,
+    its default config: inductor, mode "reduce-overhead") on CUDA, or anywhere when `compile_config` has
+    `_compile_all_devices` (the tests, on CPU); else the eager call."""
+    from transformers import CompileConfig
+
+    config = compile_config if compile_config is not None else CompileConfig()
+    if device == "cuda" or getattr(config, "_compile_all_devices", False):
+        return model.get_compiled_call(config)
+    return model.__call__
+
+
+def cache_kwarg(model) -> str:
+    """The name the model's forward (and `generate`) take the cache under: `cache` since transformers 5.24,
+    `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def greedy_decode(model, step, ids, mask, cache, max_new_tokens: int, stop_ids: list[int], pad_id: int):
+    """Greedy tokens [rows, <= max_new_tokens] (device) of a left-padded group: `ids`, `mask` [rows, width] on
+    the model's device, `cache` a StaticCache of width + max_new_tokens positions (reset), `step` the decode
+    step's model call (`compiled_forward`). Each row's tokens run to its first stop id and past it, or are
+    `pad_id` once the row had finished by an earlier step."""
+    import torch
+
+    rows, width = ids.shape
+    device = ids.device
+    cache_kw = cache_kwarg(model)
+    full_mask = torch.ones((rows, width + max_new_tokens), dtype=mask.dtype, device=device)
+    full_mask[:, :width] = mask
+    prompt_len = mask.sum(-1)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    with torch.no_grad():  # as `generate`
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                    **{cache_kw: cache})
+        token = out.logits[:, -1].argmax(-1)
+        del out  # the prefill's logits and activations, before the decode steps' CUDA graph pools
+        tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        for k in range(max_new_tokens):
+            tokens[:, k] = torch.where(done, pad_id, token)
+            done |= torch.isin(token, stops)
+            if k + 1 == max_new_tokens or ((k + 1) % CHECK_EVERY == 0 and bool(done.all())):
+                return tokens[:, :k + 1]
+            logits = step(input_ids=token[:, None], attention_mask=full_mask, position_ids=(prompt_len + k)[:, None],
+                          use_cache=True, logits_to_keep=1, **{cache_kw: cache}).logits
+            token = logits[:, -1].argmax(-1)  # read at once: the next replay writes over the graph's outputs
+    return tokens

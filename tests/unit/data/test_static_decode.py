@@ -1,0 +1,108 @@
+"""data/static_decode.py: the static-cache greedy loop gives plain greedy `generate`'s tokens on the real SmolLM2
+(left-padded rows that stop at different steps), reads the device only every CHECK_EVERY steps, and compiles
+its decode step only where `generate` would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.data import static_decode
+from dflash_train.data.hf_generate import HFGenerator
+
+NEW = 40
+STOP = [2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    from dflash_train.data.render import ChatRenderer
+
+    renderer = ChatRenderer(smollm2[1], max_length=256)
+    questions = ["Say hi.", "Reply with one word: yes or no?", "Name a fruit.",
+                 "Why is the sky blue? Answer in one short sentence that a child would understand, please."]
+    return [renderer.prompt_ids([{"role": "user", "content": q}]) for q in questions]
+
+
+def _plain(model, prompt):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=2)[0, len(prompt):]
+    ids = out.tolist()
+    return ids[: ids.index(2) + 1] if 2 in ids else ids
+
+
+def _group(prompts, width, pad=2):
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    return ids, mask
+
+
+def test_left_padded_rows_decode_to_plain_greedy_tokens_and_stop_at_a_check(smollm2, prompts, monkeypatch):
+    from transformers import StaticCache
+
+    model, _ = smollm2
+    reference = [_plain(model, p) for p in prompts]
+    ends = [len(r) for r in reference]
+    assert min(ends) < max(ends) <= NEW  # rows stop at different steps, every one before NEW tokens
+    width = max(len(p) for p in prompts) + 3  # every row left-padded
+    ids, mask = _group(prompts, width)
+    calls = []
+
+    def step(**kw):
+        calls.append(kw["position_ids"][:, 0].tolist())
+        return model(**kw)
+
+    reads = []
+    real_all = torch.Tensor.all
+
+    def counted_all(self, *a, **k):
+        reads.append(1)
+        return real_all(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "all", counted_all)
+    cache = StaticCache(config=model.config, max_cache_len=width + NEW)
+    tokens = static_decode.greedy_decode(model, step, ids, mask, cache, NEW, STOP, 2).tolist()
+    monkeypatch.undo()
+    for row, ref in zip(tokens, reference, strict=True):
+        assert row[: len(ref)] == ref  # the same tokens to the stop
+        assert all(t == 2 for t in row[len(ref):])  # a finished row writes padding after its stop
+    # every row had stopped by step max(ends): the loop ends at the next check, no later
+    every = static_decode.CHECK_EVERY
+    assert len(tokens[0]) == min(NEW, -(-max(ends) // every) * every)
+    assert len(calls) == len(tokens[0]) - 1  # one decode step per token after the prefill's
+    assert len(reads) == len(tokens[0]) // every  # the device is read once per CHECK_EVERY steps
+    lengths = mask.sum(-1).tolist()
+    assert calls[0] == lengths and calls[5] == [n + 5 for n in lengths]  # each row's own positions
+
+
+def test_the_decode_step_compiles_where_generate_would(smollm2):
+    from transformers import CompileConfig
+
+    model, _ = smollm2
+    assert static_decode.compiled_forward(model, None, "cpu") == model.__call__  # eager on a CPU, as generate
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    assert static_decode.compiled_forward(model, config, "cpu") is model.get_compiled_call(config)
+
+
+def test_sampling_keeps_generate(smollm2_path, smollm2, prompts, monkeypatch):
+    """Temperature > 0 goes through `generate` with the static cache; greedy never calls it."""
+    gen = HFGenerator(str(smollm2_path), smollm2[1], STOP, 4, 0.7, static_cache=True)
+    used = []
+    real = gen.model.generate
+    name = static_decode.cache_kwarg(gen.model)
+    monkeypatch.setattr(gen.model, "generate", lambda **kw: used.append(kw[name]) or real(**kw))
+    assert len(gen.generate(prompts[:2], seed=1)) == 2 and len(used) == 1 and used[0] is not None
+    greedy = HFGenerator(str(smollm2_path), smollm2[1], STOP, 4, 0.0, static_cache=True)
+    monkeypatch.setattr(greedy.model, "generate", lambda **kw: pytest.fail("greedy rows went through generate"))
+    assert len(greedy.generate(prompts[:2])) == 2

@@ -74,7 +74,8 @@ def greedy_decode(model, step, ids, mask, cache, max_new_tokens: int, stop_ids: 
             done |= torch.isin(token, stops)
             if k + 1 == max_new_tokens or ((k + 1) % CHECK_EVERY == 0 and bool(done.all())):
                 return tokens[:, :k + 1]
-            logits = step(input_ids=token[:, None], attention_mask=full_mask, position_ids=(prompt_len + k)[:, None],
-                          use_cache=True, logits_to_keep=1, **{cache_kw: cache}).logits
-            token = logits[:, -1].argmax(-1)  # read at once: the next replay writes over the graph's outputs
+            # the argmax is taken at once and no reference to the logits is kept: with CUDA graphs the next
+            # replay writes over this one's outputs
+            token = step(input_ids=token[:, None], attention_mask=full_mask, position_ids=(prompt_len + k)[:, None],
+                         use_cache=True, logits_to_keep=1, **{cache_kw: cache}).logits[:, -1].argmax(-1)
     return tokens

@@ -9,6 +9,7 @@ through to the terminal.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,7 @@ class Stage:
     # own folder `replaces` is then removed before it runs again
     stale: Callable[[], str | None] | None = None
     replaces: Path | None = None
+    threads: int | None = None  # CPU threads its torch may use (OMP_NUM_THREADS); None: the default, every core
     seconds: float = 0.0
     status: str = "pending"
     output: list[str] = field(default_factory=list)
@@ -73,7 +75,8 @@ def run_stage(stage: Stage, log, prefix: str = "[demo]") -> None:
     print(f"{prefix} {stage.name:9s} $ {' '.join(stage.argv)}", flush=True)
     log.write(f"\n$ {' '.join(stage.argv)}\n")
     log.flush()
-    proc = subprocess.Popen(stage.argv, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+    env = None if stage.threads is None else {**os.environ, "OMP_NUM_THREADS": str(stage.threads)}
+    proc = subprocess.Popen(stage.argv, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
     for line in proc.stdout:
         stage.output.append(line.rstrip("\n"))
         log.write(line)

@@ -131,3 +131,22 @@ def test_a_cached_stage_keeps_the_seconds_it_took_when_it_ran():
     new = Stage("serve", [], status="cached")
     assert stage_seconds([ran, cached, new], {"train": 2495.1, "eval": 300.0}) == \
         {"eval": 12.3, "train": 2495.1, "serve": None}
+
+
+def test_the_stages_beside_the_eval_get_one_thread_and_the_eval_every_core(tmp_path):
+    import io
+
+    from dflash_train.demo import beside_the_eval, lanes
+    from dflash_train.stages import Stage, run_stage
+
+    for device in ("cpu", "cuda"):
+        stages = demo_stages(tmp_path, Path("recipe.yaml"), [], 4, 8, device)
+        beside_the_eval(stages, lanes(device))
+        threads = {s.name: s.threads for s in stages}
+        assert threads["validate"] == threads["to-zlab"] == threads["serve"] == 1
+        assert threads["train"] is threads["convert"] is threads["eval"] is None
+        assert threads["replay"] == (1 if device == "cuda" else None)  # on a CPU it runs after the eval, alone
+    # what the subprocess sees: torch's intra-op threads
+    one = Stage("validate", _py("import torch; print(torch.get_num_threads())"), threads=1)
+    run_stage(one, io.StringIO())
+    assert one.output == ["1"]

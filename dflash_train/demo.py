@@ -32,9 +32,10 @@ SIDE_LANE = ("validate", "to-zlab", "serve")  # CPU work, run beside the eval an
 
 def beside_the_eval(stages: list[Stage], side: list[tuple[str, ...]]) -> None:
     """The stages that run beside the eval get one CPU thread each: they are start-up bound (imports, loading),
-    or a GPU's, while the eval's batch-1 decoding uses every core. Without this each would start a thread per
-    core beside the eval's (on the H200 machine's 16 cores the eval's first prompt took 33 s while they ran,
-    ~5 s after)."""
+    or a GPU's, while the eval's batch-1 decoding uses every core; without this each starts a thread per core
+    beside the eval's. On the H200 machine's 16 cores the eval's first prompt took 33 s while they ran and
+    ~5 s a prompt after (8275a25; the cause is not measured). On 2 cores it changes nothing measurable: eval
+    of 8 prompts 75 s beside them uncapped, 80 s capped, 70-77 s alone (2026-11-27)."""
     names = {name for lane in side for name in lane}
     for stage in stages:
         if stage.name in names:

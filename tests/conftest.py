@@ -101,14 +101,24 @@ def make_tiny_drafter(tmp_path, tiny_config):
     return make
 
 
-@pytest.fixture
-def one_thread():
-    """Decoding runs many tiny matmuls (a 1-8 token verify forward): with MKL threads on a shared
-    2-core machine thread start-up dominates and they run 10-100x slower, so decoding tests use one."""
+def _with_one_thread():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def one_thread():
+    """Decoding runs many tiny matmuls (a 1-8 token verify forward): with MKL threads on a shared
+    2-core machine thread start-up dominates and they run 10-100x slower, so decoding tests use one."""
+    yield from _with_one_thread()
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """`one_thread` for a whole module, its module-scoped fixtures included (`pytestmark = usefixtures(...)`)."""
+    yield from _with_one_thread()
 
 
 @pytest.fixture(scope="session")

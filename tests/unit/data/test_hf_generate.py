@@ -12,15 +12,7 @@ from dflash_train.errors import DataError
 
 NEW = 6
 STOP = [2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small-batch decoding: one thread (see the root conftest's `one_thread`), for the module fixtures too."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # small-batch decoding, fixtures too
 
 
 def test_kv_bytes_per_token_from_the_config(smollm2):

@@ -12,14 +12,7 @@ from dflash_train.data.hf_generate import HFGenerator
 
 NEW = 40
 STOP = [2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # small-batch decoding, fixtures too
 
 
 @pytest.fixture(scope="module")

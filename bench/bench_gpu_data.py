@@ -6,14 +6,17 @@ On the embedded SmolLM2 target and ShareGPT first exchanges, in one run:
      pass (includes compiling) and a timed second pass over the same conversations;
   2. regeneration, f25d61f's path for comparison: dynamic KV cache, eager, every conversation in one
      `generate` call on CUDA (at most 32 rows per call on CPU), and how many rows both paths agree on;
+  2b. regeneration as 8275a25 ran it: (1), but greedy rows through transformers' `generate` with the static
+     cache instead of data/static_decode.py's loop (`regen-generate`), against (1) the same way;
   3. over every row (--feature-rows), `write_feature_cache` vs the plain target forward on the same batches (`measure_features` of
      bench_features.py): tokens/s, ratio, seconds the forward waited on the writer threads, GB per 1M tokens.
 Eval steps/s is not measured here: dflash_train/eval is being changed for GPU decoding (issue 14 item 3).
 
-Variants (`--list`): `regen` (1), `regen-f25d61f` (2) and `features` (3). The rows are prepared once, then
+Variants (`--list`): `regen` (1), `regen-f25d61f` (2), `regen-generate` (2b) and `features` (3). The rows are prepared once, then
 each variant runs in its own subprocess under `--timeout`; every finished variant appends one JSON line
 to `--json` at once and a failed one is a row with its error while the run goes on (bench/variants.py).
-When both regeneration variants run in one call, the second row says how many rows they agree on.
+When `regen` runs before a baseline in one call, the baseline's row says how many rows they agree on and
+how much faster `regen` was.
 
     python bench/bench_gpu_data.py            # on a GPU: 512 rows x 320 new tokens, 1024 feature rows
     python bench/bench_gpu_data.py --variant regen --json rows.jsonl   # one variant (a device call each)
@@ -39,11 +42,17 @@ from variants import add_arguments, answered, commit, run_all, run_child  # noqa
 
 VARIANTS = {"regen": "regeneration, this toolkit's HF path (static cache and compiled decode on CUDA): new tokens/s",
             "regen-f25d61f": "regeneration, f25d61f's HF path (dynamic cache, eager, one generate call)",
+            "regen-generate": "regeneration, 8275a25's HF path (static cache, greedy rows through generate)",
             "features": "feature extraction (write_feature_cache) against the plain target forward: tokens/s"}
 
 
-def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int, today: bool = False) -> dict:
-    """Two passes of `regenerate_batch` (the loop of `regenerate`) over the first `rows` conversations of `data`."""
+BASELINES = ("regen-f25d61f", "regen-generate")  # each compared with `regen` when it ran first
+
+
+def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int, today: bool = False,
+                         greedy_loop: bool = True) -> dict:
+    """Two passes of `regenerate_batch` (the loop of `regenerate`) over the first `rows` conversations of `data`
+    (`today`: f25d61f's path; `greedy_loop=False`: greedy rows through `generate`)."""
     from dflash_train.data.hf_generate import HFGenerator
     from dflash_train.data.prepare import load_prepared, read_summary
     from dflash_train.data.regenerate import regenerate_batch, stop_ids
@@ -55,7 +64,7 @@ def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int
     tok = load_tokenizer(None)
     renderer = ChatRenderer(tok, max_length=max_length)
     gen = HFGenerator(resolve_target(None), tok, stop_ids(tok, renderer), max_new_tokens, 0.0, device=device,
-                      static_cache=False if today else None)
+                      static_cache=False if today else None, greedy_loop=greedy_loop)
     if today:  # f25d61f: one generate call for the whole batch on CUDA, 32 rows per call on CPU
         gen.free_bytes = None
         gen.max_rows = len(convs) if device == "cuda" else 32
@@ -84,9 +93,9 @@ def _child(spec: dict) -> dict:
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     device, data, work = spec["device"], Path(spec["data"]), Path(spec["work"])
-    if spec["kind"] in ("regen", "regen-f25d61f"):
+    if spec["kind"] in ("regen", *BASELINES):
         r = measure_regeneration(data, spec["regen_rows"], device, spec["max_new_tokens"],
-                                 today=spec["kind"] == "regen-f25d61f")
+                                 today=spec["kind"] == "regen-f25d61f", greedy_loop=spec["kind"] != "regen-generate")
         r["row_sha"] = [_sha(m) for m in r.pop("messages")]
         return r
     from dflash_train.features.cache import batch_tokens_that_fit, bytes_per_token
@@ -106,10 +115,11 @@ def _line(variant: str, r: dict, max_new_tokens: int) -> str:
         return (f"| regeneration, HF path of this toolkit | {r['tok_s']:.0f} new | {r['rows']} rows x <= "
                 f"{max_new_tokens} new tokens, {r['new_tokens']} generated in {r['seconds']:.1f} s (first pass, "
                 f"which compiles on CUDA, {r['first_s']:.1f} s); groups (rows, width): {r['groups']} |")
-    if variant == "regen-f25d61f":
+    if variant in BASELINES:
         same = f"; identical rows {r['identical_rows']}/{r['rows']}" if "identical_rows" in r else ""
         speed = f"; this toolkit's path is {r['speedup']:.2f}x faster" if "speedup" in r else ""
-        return f"| regeneration, f25d61f's HF path | {r['tok_s']:.0f} new | same rows, {r['seconds']:.1f} s{speed}{same} |"
+        path = "f25d61f's HF path" if variant == "regen-f25d61f" else "8275a25's HF path (greedy through generate)"
+        return f"| regeneration, {path} | {r['tok_s']:.0f} new | same rows, {r['seconds']:.1f} s{speed}{same} |"
     return (f"| plain target forward | {r['plain_tok_s']:.0f} | {r['rows']} rows, {r['tokens']} tokens, "
             f"{r['batches']} batches (same batches as below) |\n"
             f"| feature extraction (write_feature_cache) | {r['cache_tok_s']:.0f} | ratio to the plain forward "
@@ -163,11 +173,10 @@ def main() -> None:
 
         def run_one(variant: str) -> dict:
             r = run_child(__file__, {**base, "kind": variant}, args.timeout)
-            other = done.get({"regen": "regen-f25d61f", "regen-f25d61f": "regen"}.get(variant, ""))
-            if "error" not in r and other and "error" not in other:  # both regeneration paths ran: compare
-                r["identical_rows"] = sum(a == b for a, b in zip(r["row_sha"], other["row_sha"], strict=True))
-                ours, today = (r, other) if variant == "regen" else (other, r)
-                r["speedup"] = ours["tok_s"] / today["tok_s"]
+            ours = done.get("regen") if variant in BASELINES else None
+            if "error" not in r and ours and "error" not in ours:  # a baseline after `regen`: compare
+                r["identical_rows"] = sum(a == b for a, b in zip(r["row_sha"], ours["row_sha"], strict=True))
+                r["speedup"] = ours["tok_s"] / r["tok_s"]
             done[variant] = r
             return r
 

@@ -142,7 +142,7 @@ class HFGenerator:
 
     def __init__(self, target_path, tokenizer, stop_ids: list[int], max_new_tokens: int, temperature: float,
                  device: str | None = None, static_cache: bool | None = None, compile_config=None,
-                 dtype: str = "auto"):
+                 dtype: str = "auto", greedy_loop: bool = True):
         import torch
 
         from dflash_train.target import load_target, target_torch_dtype
@@ -162,6 +162,7 @@ class HFGenerator:
 
             use_gqa_decode(self.model)
         self.compile_config = compile_config
+        self.greedy_loop = greedy_loop  # False: greedy rows also go through `generate` (the bench's baseline)
         self._step = None  # the decode step's (compiled) model call, made at the first greedy static group
         self.max_rows = MAX_ROWS_CUDA if self.static else MAX_ROWS_CPU
         self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
@@ -243,7 +244,7 @@ class HFGenerator:
             mask[r, width - len(p):] = 1
         extra = {}
         sample = self.temperature > 0
-        if self.static and not sample:  # greedy: our decode loop, no host sync per step (data/static_decode.py)
+        if self.static and not sample and self.greedy_loop:  # our decode loop, no host sync per step
             if self._step is None:
                 self._step = static_decode.compiled_forward(self.model, self.compile_config, self.device)
             new_tokens = static_decode.greedy_decode(self.model, self._step, ids.to(self.device), mask.to(self.device),

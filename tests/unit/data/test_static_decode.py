@@ -89,7 +89,7 @@ def test_the_decode_step_compiles_where_generate_would(smollm2):
 
 
 def test_sampling_keeps_generate(smollm2_path, smollm2, prompts, monkeypatch):
-    """Temperature > 0 goes through `generate` with the static cache; greedy never calls it."""
+    """Temperature > 0 goes through `generate` with the static cache; greedy never calls it, unless asked to."""
     gen = HFGenerator(str(smollm2_path), smollm2[1], STOP, 4, 0.7, static_cache=True)
     used = []
     real = gen.model.generate
@@ -98,4 +98,11 @@ def test_sampling_keeps_generate(smollm2_path, smollm2, prompts, monkeypatch):
     assert len(gen.generate(prompts[:2], seed=1)) == 2 and len(used) == 1 and used[0] is not None
     greedy = HFGenerator(str(smollm2_path), smollm2[1], STOP, 4, 0.0, static_cache=True)
     monkeypatch.setattr(greedy.model, "generate", lambda **kw: pytest.fail("greedy rows went through generate"))
-    assert len(greedy.generate(prompts[:2])) == 2
+    looped = greedy.generate(prompts[:2])
+    assert len(looped) == 2
+    # the bench's baseline (`regen-generate`): greedy rows through generate, the same answers
+    through = HFGenerator(str(smollm2_path), smollm2[1], STOP, 4, 0.0, static_cache=True, greedy_loop=False)
+    used.clear()
+    real = through.model.generate
+    monkeypatch.setattr(through.model, "generate", lambda **kw: used.append(kw[name]) or real(**kw))
+    assert through.generate(prompts[:2]) == looped and len(used) == 1

@@ -13,8 +13,9 @@ CUDA:
 - greedy rows (temperature 0, what regeneration uses) decode over a transformers `StaticCache` in
   `data/static_decode.py`'s loop, not `generate`: every decode step through `torch.compile` as `generate`
   compiles it (inductor, mode "reduce-overhead", i.e. CUDA graphs), with no read of the device between
-  steps but one every 16; the prefill stays eager. Sampling keeps `generate` with the static cache. Attention is `data/gqa_decode.py`'s: a decode step reads
-  each cached K/V head once, where transformers' compiled SDPA path with a mask would repeat them.
+  steps but one every 16; the prefill stays eager. Sampling keeps `generate` with the static cache.
+  Attention is `data/gqa_decode.py`'s: a decode step reads each cached K/V head once, where transformers'
+  compiled SDPA path with a mask would repeat them.
 - a group's width (its padded prompt length) is rounded up to a ladder of two steps per octave (64, 96,
   128, 192, 256, 384, ...); its cache holds width + max_new_tokens positions. Each width gets the rows
   that fit its own cache and prefill (`rows_that_fit`), so short prompts run in large groups and long

@@ -73,23 +73,15 @@ def summarise_trace(trace: dict, steps: int, category: str, wall_us: float | Non
 
 
 def profile_steps(step, steps: int, device: str) -> dict:
-    """Run `step()` `steps` times under the profiler and summarise the trace (see the module doc)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    """Run `step()` `steps` times under the profiler and summarise the trace (see the module doc): a
+    `StepProfile` over a loop of its own, its files in a temporary folder."""
     with tempfile.TemporaryDirectory() as tmp:
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            wall_us = (time.perf_counter() - t0) * 1e6
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    return summarise_trace(trace, steps, "kernel" if device == "cuda" else "cpu_op", wall_us)
+        window = StepProfile(steps, 0, steps, device, Path(tmp))
+        for i in range(steps):
+            window.begin(i)
+            step()
+            window.end(i)
+    return {k: v for k, v in window.summary.items() if k not in ("first_step", "steps", "trace")}
 
 
 def profile_lines(summary: dict) -> list[str]:

@@ -161,6 +161,9 @@ def host_reads_in_a_deepspeed_step(ours: bool) -> dict:
                                           config=cfg, dist_init_required=False)
     counts = dict.fromkeys(READS, 0)
     real = {name: getattr(torch.Tensor, name) for name in READS}
+    reduces = []  # DeepSpeed's gradient all-reduce: a flatten, a collective and a copy back of every gradient
+    engine.allreduce_gradients = (lambda real_reduce: lambda *a, **k: reduces.append(1) or real_reduce(*a, **k))(
+        engine.allreduce_gradients)
 
     def counting(name):
         def read(self, *args, **kwargs):
@@ -182,11 +185,13 @@ def host_reads_in_a_deepspeed_step(ours: bool) -> dict:
             for name in READS:
                 setattr(torch.Tensor, name, real[name])
     return {"reads": counts, "optimizer": type(engine.optimizer).__name__, "params": len(list(model.parameters())),
-            "weight_dtype": str(next(model.parameters()).dtype)}
+            "weight_dtype": str(next(model.parameters()).dtype), "allreduces": len(reduces)}
 
 
 @pytest.mark.slow
 def test_a_deepspeed_bf16_step_reads_nothing_back_where_deepspeeds_wrapper_reads_per_parameter():
+    """Also: one process without ZeRO skips DeepSpeed's gradient all-reduce, which it runs on a world of one
+    (the negative control counts it)."""
     results = {}
     for ours in (True, False):
         code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); from test_optimizer import "
@@ -200,6 +205,7 @@ def test_a_deepspeed_bf16_step_reads_nothing_back_where_deepspeeds_wrapper_reads
     assert sum(mine["reads"].values()) == 0, mine["reads"]
     assert theirs["optimizer"] == "FP16_UnfusedOptimizer" and theirs["weight_dtype"] == "torch.bfloat16"
     assert sum(theirs["reads"].values()) >= theirs["params"], theirs["reads"]  # a host wait per parameter
+    assert mine["allreduces"] == 0 and theirs["allreduces"] >= 2, (mine, theirs)  # one per optimizer step
 
 
 @pytest.mark.gpu

@@ -29,7 +29,8 @@ from dflash_train.train import checkpointing as ckpt
 from dflash_train.train.anchors import anchor_candidates
 from dflash_train.train.auto_dtypes import dtype_fields, resolve_auto_dtypes
 from dflash_train.train.batches import build_microbatch, head_rows, microbatch_loss
-from dflash_train.train.device import StepKernels, check_drafter_fits, oom_guard, resolve_attention, step_kernels
+from dflash_train.train.build_drafter import build_drafter
+from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, step_kernels
 from dflash_train.train.documents import (
     MEMORY_SHARE,
     DocumentSource,
@@ -205,46 +206,6 @@ def _by_source(entry: dict) -> dict:
     return {k.removeprefix("accept_len_"): v for k, v in entry.items() if k.startswith("accept_len_")}
 
 
-def _build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer, token_counts, world: World):
-    """A new drafter as the recipe says (or `drafter.init_from`); a reduced draft vocabulary keeps the
-    ids most frequent in `token_counts`, a callable returning the training rows' supervised counts."""
-    from dflash_train.features.layer_ids import check_target_layer_ids
-    from dflash_train.features.mask_token import check_mask_token_id
-    from dflash_train.model.checkpoint import load_drafter
-    from dflash_train.model.init import drafter_config_for_target
-    from dflash_train.model.modeling_dflash import DFlashDraftModel
-
-    d, tc = recipe.drafter, target_model.config.get_text_config()
-    if d.target_layer_ids is not None:
-        check_target_layer_ids(d.target_layer_ids, tc.num_hidden_layers, "drafter.target_layer_ids")
-    if d.mask_token_id is not None:
-        check_mask_token_id(d.mask_token_id, tokenizer, tc.vocab_size, "drafter.mask_token_id")
-    if d.init_from:  # its config already decided the drafter fields (init_from.apply_init_from)
-        model = load_drafter(d.init_from, target_config=target_model.config, tokenizer=tokenizer,
-                             what="drafter.init_from")
-        if model.lm_head is not None:
-            model.lm_head.weight.requires_grad_(d.train_lm_head)
-        return model
-    cfg = drafter_config_for_target(recipe.target, num_layers=d.num_layers, block_size=d.block_size,
-                                    mask_token_id=d.mask_token_id, num_features=d.num_features,
-                                    target_layer_ids=d.target_layer_ids, intermediate_size=d.intermediate_size,
-                                    dtype=d.dtype)
-    check_drafter_fits(recipe, cfg.num_parameters, world.device, world.size)
-    model = DFlashDraftModel(cfg)
-    model.init_weights(seed=recipe.seed)
-    if d.init_from_target_layer is not None:
-        from dflash_train.model.init import init_from_target_layer
-
-        init_from_target_layer(model, target_model, d.init_from_target_layer)
-    if d.draft_vocab_size is not None and d.draft_vocab_size < cfg.vocab_size:
-        from dflash_train.model.init import reduce_drafter_vocab
-
-        model = reduce_drafter_vocab(model, token_counts(), d.draft_vocab_size,
-                                     target_model.get_output_embeddings().weight)
-        model.lm_head.weight.requires_grad_(d.train_lm_head)
-    return model
-
-
 def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | None = None, sources=(),
           notify: Callable[[str], None] | None = None) -> dict:
     """Train a drafter as the recipe says; returns the summary written to OUTPUT/summary.json.
@@ -294,7 +255,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
 
         return training_token_frequencies(rows, train_rows, read_token_freq(data_path))
 
-    drafter = _build_drafter(recipe, target_path, target_model, tokenizer, token_counts, world).to(world.device)
+    drafter = build_drafter(recipe, target_path, target_model, tokenizer, token_counts, world).to(world.device)
     check_writable(output, "--output", space_needed(drafter, recipe), inside=output.is_dir())
     cache = None
     topk = recipe.objective.kl_topk if recipe.objective.loss == "kl" else None  # teacher top-k for the kl loss

@@ -15,7 +15,9 @@ One step, with the last committed token x at position p:
 
 Both loops (`speculative_generate`, `plain_generate`) stop at an EOS id or `max_new_tokens`; a
 block that crosses either is truncated and only the kept tokens count. `evaluate` runs both on
-chat prompts and returns the report dict (see report.py for the statistics).
+chat prompts and returns the report dict (see report.py for the statistics). A greedy run that times
+nothing against plain decoding decodes all its prompts at once instead (batched_decode.py: the same tokens
+and steps, the target's weights read once a step for every prompt).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def _new_cache(target):
     return DynamicCache(config=target.config)
 
 
-def _stop_index(tokens: list[int], eos: set[int], room: int) -> int:
+def stop_index(tokens: list[int], eos: set[int], room: int) -> int:
     """How many of `tokens` to keep: up to and including the first EOS, at most `room`."""
     n = min(len(tokens), room)
     for i in range(n):
@@ -168,7 +170,7 @@ def speculative_generate(draft, target, prompt_ids: Sequence[int], max_new_token
         draft.append_context(ctx, feats, torch.arange(p, p + a + 1, device=draft_device)[None])
 
         new = [*proposals[:a], extra]
-        keep = _stop_index(new, eos, max_new_tokens - len(tokens))
+        keep = stop_index(new, eos, max_new_tokens - len(tokens))
         steps.append(Step(committed=keep, accepted=min(a, keep), position=p))
         tokens.extend(new[:keep])
     _sync(device)
@@ -269,9 +271,20 @@ def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperat
         speculative_generate(draft, target_model, rendered[0], 2, 0.0, b, eos)
 
     results = []
-    for i, ids in enumerate(tqdm(rendered, desc="spec-decode", unit="prompt", disable=not progress)):
-        gen_spec = torch.Generator().manual_seed(seed + i)
-        spec = speculative_generate(draft, target_model, ids, max_new_tokens, temperature, b, eos, gen_spec)
+    batched = None
+    if greedy and not run_plain:  # no timing to compare: every prompt's blocks verified in one target forward
+        from dflash_train.eval.batched_decode import batchable, batched_speculative_generate
+
+        if batchable(target_model):
+            with tqdm(total=len(rendered), desc="spec-decode", unit="prompt", disable=not progress) as bar:
+                batched = batched_speculative_generate(draft, target_model, rendered, max_new_tokens, b, eos,
+                                                       on_done=bar.update)
+    for i, ids in enumerate(tqdm(rendered, desc="spec-decode", unit="prompt", disable=not progress or batched)):
+        if batched is not None:
+            spec = batched[i]
+        else:
+            gen_spec = torch.Generator().manual_seed(seed + i)
+            spec = speculative_generate(draft, target_model, ids, max_new_tokens, temperature, b, eos, gen_spec)
         plain = None
         if run_plain:
             gen_plain = torch.Generator().manual_seed(seed + i)
@@ -281,6 +294,7 @@ def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperat
                                     source=sources[i] if sources is not None else None))
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "block_size": b,
                 "lossless_check": "plain decode" if greedy and run_plain else None,
+                "batched": batched is not None,
                 "drafter_block_size": draft.config.block_size, "seed": seed, "measure_speedup": measure_speedup,
                 "eos_token_ids": eos, "num_prompts": len(rendered),
                 "target_layer_ids": draft.config.target_layer_ids,

@@ -76,6 +76,8 @@ def test_without_the_speedup_run_losslessness_comes_from_the_teacher_forced_argm
     assert report["speedup"] is None and all("plain_seconds" not in p for p in report["prompts"])
     assert report["settings"]["lossless_check"] == "teacher-forced argmax"
     assert with_plain["settings"]["lossless_check"] == "plain decode"
+    # nothing to time: every prompt decoded at once (batched_decode.py), the tokens of decoding each alone
+    assert report["settings"]["batched"] is True and with_plain["settings"]["batched"] is False
     assert report["lossless"] is True and all(p["first_mismatch"] is None for p in report["prompts"])
     assert [p["output_tokens"] for p in report["prompts"]] == [p["output_tokens"] for p in with_plain["prompts"]]
     # a decoding that committed a wrong token at index 5 is caught there

@@ -1,0 +1,144 @@
+"""Greedy speculative decoding of many prompts at once: the target verifies every row's block in one forward.
+
+A verify forward of one row feeds B tokens through all of the target's weights; on a CPU (and a GPU at
+batch 1) it is bound by reading those weights, not by the arithmetic. With R rows in one forward the weights
+are read once for R blocks: on 2 CPU cores a SmolLM2 linear takes 0.57 ms for 8 tokens and 2.7 ms for 192.
+
+The rows advance in lock step, one verify forward a step, each by its own number of accepted tokens:
+
+- the target's cache is one DynamicCache for all rows and is never cropped. A block's rejected slots stay in
+  it and are masked out of every later forward by the 2D attention mask; each token gets its true position
+  through `position_ids`, so the holes change neither RoPE nor which positions a token attends to. Prompts are
+  left-padded the same way (masked, positions from 0).
+- the drafter runs row by row on its own context cache, exactly as in `speculative_generate` (it is small;
+  its context needs no mask).
+- a row that reaches EOS or `max_new_tokens` leaves the batch (`batch_select_indices`).
+
+Each row's tokens and steps are those of `speculative_generate`'s greedy loop on that prompt alone (tested),
+up to the rounding of a batched forward. Only plain key/value caches (`batchable`); sliding-window and
+recurrent targets keep the one-row loop, whose cache crops and restores them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from dflash_train.eval.results import Generation, Step
+from dflash_train.eval.spec_decode import stop_index
+from dflash_train.features.extract import capture_layers
+
+
+def batchable(target) -> bool:
+    """Whether every layer of the target's cache is a plain, growing key/value layer (holes can be masked)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=target.config).layers)
+
+
+class _Row:
+    """One prompt's decoding state: its drafter context, tokens and steps."""
+
+    def __init__(self, draft, prompt_len: int, first: int):
+        self.ctx = draft.new_cache()
+        self.prompt_len = prompt_len
+        self.tokens = [first]
+        self.steps: list[Step] = []
+
+    @property
+    def position(self) -> int:
+        return self.prompt_len + len(self.tokens) - 1  # of the last committed token
+
+    def done(self, eos: set[int], max_new_tokens: int) -> bool:
+        return self.tokens[-1] in eos or len(self.tokens) >= max_new_tokens
+
+
+@torch.no_grad()
+def batched_speculative_generate(draft, target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                                 block_size: int, eos_token_ids: Iterable[int] = (),
+                                 on_done: Callable[[int], None] | None = None) -> list[Generation]:
+    """Greedy speculative decoding of every prompt; one Generation per prompt, in order. Its `seconds` is the
+    batch's wall time shared out by the row's verify forwards. `on_done(n)`: n more rows have finished."""
+    from transformers import DynamicCache
+
+    eos, b = set(eos_token_ids), block_size
+    layer_ids, mask_id = draft.config.target_layer_ids, draft.config.mask_token_id
+    device, draft_device = next(target.parameters()).device, draft.fc.weight.device
+    start = time.perf_counter()
+
+    # prefill: left-padded prompts, positions from 0 after the padding
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attn = torch.zeros(len(prompts), width, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(list(p))
+        attn[r, width - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    cache = DynamicCache(config=target.config)
+    with capture_layers(target, layer_ids) as cap:
+        out = target(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                     past_key_values=cache, use_cache=True)
+    feats, firsts = cap.features(), out.logits[:, -1].argmax(-1).tolist()
+    rows = []
+    for r, p in enumerate(prompts):
+        row = _Row(draft, len(p), firsts[r])
+        draft.append_context(row.ctx, feats[r:r + 1, width - len(p):].to(draft_device),
+                             torch.arange(len(p), device=draft_device)[None])
+        rows.append(row)
+    live = [r for r in range(len(rows)) if not rows[r].done(eos, max_new_tokens)]
+    if on_done:
+        on_done(len(rows) - len(live))
+    if len(live) < len(rows):
+        cache.batch_select_indices(torch.tensor(live, dtype=torch.long, device=device))
+        attn = attn[live]
+    block = torch.full((1, b), mask_id, dtype=torch.long, device=draft_device)
+    forwards = [0] * len(rows)
+
+    while live:
+        verify, positions = [], []
+        for r in live:  # the drafter, row by row
+            row = rows[r]
+            block[0, 0] = row.tokens[-1]
+            hidden = draft.forward_block(draft.embed(block), torch.tensor([row.position], device=draft_device),
+                                         row.ctx)
+            proposals = draft.draft_to_target(draft.logits(hidden[0, 1:]).argmax(-1)).tolist()
+            verify.append([row.tokens[-1], *proposals])
+            positions.append(list(range(row.position, row.position + b)))
+        attn = torch.cat([attn, attn.new_ones(len(live), b)], dim=-1)
+        with capture_layers(target, layer_ids) as cap:
+            out = target(input_ids=torch.tensor(verify, device=device), attention_mask=attn,
+                         position_ids=torch.tensor(positions, device=device), past_key_values=cache,
+                         use_cache=True)
+        greedy, feats = out.logits.argmax(-1).tolist(), cap.features()
+        stay = []
+        for i, r in enumerate(live):
+            row, proposals = rows[r], verify[i][1:]
+            a = 0
+            while a < len(proposals) and proposals[a] == greedy[i][a]:
+                a += 1
+            attn[i, attn.shape[1] - b + a + 1:] = 0  # the rejected slots: holes from now on
+            p = row.position
+            draft.append_context(row.ctx, feats[i:i + 1, : a + 1].to(draft_device),
+                                 torch.arange(p, p + a + 1, device=draft_device)[None])
+            new = [*proposals[:a], greedy[i][a]]
+            keep = stop_index(new, eos, max_new_tokens - len(row.tokens))
+            row.steps.append(Step(committed=keep, accepted=min(a, keep), position=p))
+            row.tokens.extend(new[:keep])
+            forwards[r] += 1
+            if not row.done(eos, max_new_tokens):
+                stay.append(i)
+        if on_done:
+            on_done(len(live) - len(stay))
+        if len(stay) < len(live):
+            index = torch.tensor(stay, dtype=torch.long, device=device)
+            cache.batch_select_indices(index)
+            attn = attn[index]
+            live = [live[i] for i in stay]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds, total = time.perf_counter() - start, max(1, sum(forwards))
+    return [Generation(tokens=row.tokens, seconds=seconds * max(1, f) / total, steps=row.steps)
+            for row, f in zip(rows, forwards, strict=True)]

@@ -2,8 +2,8 @@
 
 prepare -> regenerate -> train (one `dflash-train train` run of the demo recipe) -> convert the run
 into `OUT/drafter/` (speculators format), then lanes at once (`lanes`):
-  - spec-decode eval on held-out prompts (batch-1 decoding on the CPU) -> replay of greedy serving on every
-    held-out row (tau with its standard error);
+  - spec-decode eval on held-out prompts (on the CPU; every prompt's block verified in one target forward)
+    -> replay of greedy serving on every held-out row (tau with its standard error);
   - validate -> z-lab conversion -> serve dry run (CPU work: it hides behind the eval);
   - on a GPU, the replay in a lane of its own (one target forward per row on the GPU, beside the CPU's eval);
 -> a summary table. Every stage runs the installed command in a subprocess, exactly as a user would,
@@ -32,7 +32,7 @@ SIDE_LANE = ("validate", "to-zlab", "serve")  # CPU work, run beside the eval an
 
 def beside_the_eval(stages: list[Stage], side: list[tuple[str, ...]]) -> None:
     """The stages that run beside the eval get one CPU thread each: they are start-up bound (imports, loading),
-    or a GPU's, while the eval's batch-1 decoding uses every core; without this each starts a thread per core
+    or a GPU's, while the eval's decoding uses every core; without this each starts a thread per core
     beside the eval's. On the H200 machine's 16 cores the eval's first prompt took 33 s while they ran and
     ~5 s a prompt after (8275a25; the cause is not measured). On 2 cores it changes nothing measurable: eval
     of 8 prompts 75 s beside them uncapped, 80 s capped, 70-77 s alone (2026-11-27)."""
@@ -51,7 +51,7 @@ def lanes(device: str) -> list[tuple[str, ...]]:
 
 
 def replay_device() -> str:
-    """The replay's device: one target forward per row is GPU-shaped work (the eval's batch-1 loop is not)."""
+    """The replay's device: one target forward per row is GPU-shaped work (the eval's step-by-step loop is less so)."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

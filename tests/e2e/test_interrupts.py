@@ -44,7 +44,10 @@ def dflash(*args, interrupt: str | None = None) -> subprocess.CompletedProcess:
     else:
         module, path = interrupt.split(":")
         cmd = [sys.executable, "-c", HOOK, module, path, *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    # a shell's background job ignores SIGINT, and a Python started ignoring it never installs its handler:
+    # the child gets the default disposition back, however pytest was started
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def stopped(proc: subprocess.CompletedProcess) -> None:

@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from dflash_train.eval.results import Generation, Step
-from dflash_train.eval.spec_decode import stop_index
 from dflash_train.features.extract import capture_layers
 
 
@@ -37,6 +36,15 @@ def batchable(target) -> bool:
     from transformers.cache_utils import DynamicLayer
 
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=target.config).layers)
+
+
+def stop_index(tokens: list[int], eos: set[int], room: int) -> int:
+    """How many of `tokens` to keep: up to and including the first EOS, at most `room`."""
+    n = min(len(tokens), room)
+    for i in range(n):
+        if tokens[i] in eos:
+            return i + 1
+    return n
 
 
 class _Row:

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from dflash_train.errors import ConfigError
+from dflash_train.eval.batched_decode import batchable, batched_speculative_generate, stop_index
 from dflash_train.eval.results import Generation, PromptResult, Step
 from dflash_train.features.extract import capture_layers
 
@@ -100,15 +101,6 @@ def _new_cache(target):
     from transformers import DynamicCache
 
     return DynamicCache(config=target.config)
-
-
-def stop_index(tokens: list[int], eos: set[int], room: int) -> int:
-    """How many of `tokens` to keep: up to and including the first EOS, at most `room`."""
-    n = min(len(tokens), room)
-    for i in range(n):
-        if tokens[i] in eos:
-            return i + 1
-    return n
 
 
 def check_block_size(draft, block_size: int | None) -> int:
@@ -272,14 +264,13 @@ def _evaluate(draft, target_model, tokenizer, rendered, max_new_tokens, temperat
 
     results = []
     batched = None
-    if greedy and not run_plain:  # no timing to compare: every prompt's blocks verified in one target forward
-        from dflash_train.eval.batched_decode import batchable, batched_speculative_generate
-
-        if batchable(target_model):
-            with tqdm(total=len(rendered), desc="spec-decode", unit="prompt", disable=not progress) as bar:
-                batched = batched_speculative_generate(draft, target_model, rendered, max_new_tokens, b, eos,
-                                                       on_done=bar.update)
-    for i, ids in enumerate(tqdm(rendered, desc="spec-decode", unit="prompt", disable=not progress or batched)):
+    if greedy and not run_plain and batchable(target_model):  # no timing to compare: every prompt's block
+        # verified in one target forward (batched_decode.py)
+        with tqdm(total=len(rendered), desc="spec-decode", unit="prompt", disable=not progress) as bar:
+            batched = batched_speculative_generate(draft, target_model, rendered, max_new_tokens, b, eos,
+                                                   on_done=bar.update)
+    one_by_one = progress and batched is None
+    for i, ids in enumerate(tqdm(rendered, desc="spec-decode", unit="prompt", disable=not one_by_one)):
         if batched is not None:
             spec = batched[i]
         else:

@@ -78,8 +78,11 @@ def test_a_stop_signal_runs_the_cleanups_and_ends_with_one_line(name):
     import subprocess
     import sys
 
+    def default_disposition():  # the caller's own: nohup or a shell's background job would leave it ignored
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+
     done = subprocess.run([sys.executable, "-c", SIGNALLED, name, "handle"], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, preexec_fn=default_disposition)
     assert done.returncode == 128 + getattr(signal, name)
     assert done.stdout == "cleaned\n"
     assert done.stderr == (f"error: stopped by {name}; temporary files were removed (a resumable command continues "

@@ -244,7 +244,7 @@ def eval_command(
         block_size: Optional[int] = typer.Option(None, "--block-size", help="Block size B <= the drafter's trained "
                                                                             "block (default: trained)."),
         seed: int = typer.Option(0, "--seed", help="Sampling seed (prompt i uses seed + i)."),
-        speedup: bool = typer.Option(True, "--speedup/--no-speedup", help="Time plain decoding for the speedup."),
+        speedup: bool = typer.Option(True, "--speedup/--no-speedup", help="Time plain decoding for the speedup (one prompt at a time); --no-speedup decodes every prompt at once."),
         mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="For z-lab drafters that name "
                                                                                   "their mask only by string."),
         dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),

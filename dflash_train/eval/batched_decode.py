@@ -38,6 +38,14 @@ def batchable(target) -> bool:
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=target.config).layers)
 
 
+def greedy_accept(proposals: Sequence[int], greedy: Sequence[int]) -> tuple[int, int]:
+    """(leading proposals equal to the target's argmax, the argmax after them): a greedy verify step."""
+    a = 0
+    while a < len(proposals) and proposals[a] == greedy[a]:
+        a += 1
+    return a, greedy[a]
+
+
 def stop_index(tokens: list[int], eos: set[int], room: int) -> int:
     """How many of `tokens` to keep: up to and including the first EOS, at most `room`."""
     n = min(len(tokens), room)
@@ -103,7 +111,6 @@ def batched_speculative_generate(draft, target, prompts: Sequence[Sequence[int]]
         cache.batch_select_indices(torch.tensor(live, dtype=torch.long, device=device))
         attn = attn[live]
     block = torch.full((1, b), mask_id, dtype=torch.long, device=draft_device)
-    forwards = [0] * len(rows)
 
     while live:
         verify, positions = [], []
@@ -124,18 +131,15 @@ def batched_speculative_generate(draft, target, prompts: Sequence[Sequence[int]]
         stay = []
         for i, r in enumerate(live):
             row, proposals = rows[r], verify[i][1:]
-            a = 0
-            while a < len(proposals) and proposals[a] == greedy[i][a]:
-                a += 1
+            a, extra = greedy_accept(proposals, greedy[i])
             attn[i, attn.shape[1] - b + a + 1:] = 0  # the rejected slots: holes from now on
             p = row.position
             draft.append_context(row.ctx, feats[i:i + 1, : a + 1].to(draft_device),
                                  torch.arange(p, p + a + 1, device=draft_device)[None])
-            new = [*proposals[:a], greedy[i][a]]
+            new = [*proposals[:a], extra]
             keep = stop_index(new, eos, max_new_tokens - len(row.tokens))
             row.steps.append(Step(committed=keep, accepted=min(a, keep), position=p))
             row.tokens.extend(new[:keep])
-            forwards[r] += 1
             if not row.done(eos, max_new_tokens):
                 stay.append(i)
         if on_done:
@@ -147,6 +151,6 @@ def batched_speculative_generate(draft, target, prompts: Sequence[Sequence[int]]
             live = [live[i] for i in stay]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds, total = time.perf_counter() - start, max(1, sum(forwards))
-    return [Generation(tokens=row.tokens, seconds=seconds * max(1, f) / total, steps=row.steps)
-            for row, f in zip(rows, forwards, strict=True)]
+    seconds, total = time.perf_counter() - start, max(1, sum(len(row.steps) for row in rows))
+    return [Generation(tokens=row.tokens, seconds=seconds * max(1, len(row.steps)) / total, steps=row.steps)
+            for row in rows]

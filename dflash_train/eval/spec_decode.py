@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from dflash_train.errors import ConfigError
-from dflash_train.eval.batched_decode import batchable, batched_speculative_generate, stop_index
+from dflash_train.eval.batched_decode import batchable, batched_speculative_generate, greedy_accept, stop_index
 from dflash_train.eval.results import Generation, PromptResult, Step
 from dflash_train.features.extract import capture_layers
 
@@ -69,11 +69,7 @@ def _verify(proposals: list[int], q: torch.Tensor | None, target_logits: torch.T
             temperature: float, generator) -> tuple[int, int]:
     """(number of leading proposals accepted, the token the target adds after them)."""
     if temperature <= 0:
-        greedy = target_logits.argmax(-1).tolist()
-        a = 0
-        while a < len(proposals) and proposals[a] == greedy[a]:
-            a += 1
-        return a, greedy[a]
+        return greedy_accept(proposals, target_logits.argmax(-1).tolist())
     p = _probs(target_logits, temperature).cpu()
     for k, tok in enumerate(proposals):
         ratio = p[k, tok] / q[k, tok]

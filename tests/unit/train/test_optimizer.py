@@ -162,8 +162,13 @@ def host_reads_in_a_deepspeed_step(ours: bool) -> dict:
     counts = dict.fromkeys(READS, 0)
     real = {name: getattr(torch.Tensor, name) for name in READS}
     reduces = []  # DeepSpeed's gradient all-reduce: a flatten, a collective and a copy back of every gradient
-    engine.allreduce_gradients = (lambda real_reduce: lambda *a, **k: reduces.append(1) or real_reduce(*a, **k))(
-        engine.allreduce_gradients)
+    real_reduce = engine.allreduce_gradients
+
+    def counted_reduce(*args, **kwargs):
+        reduces.append(1)
+        return real_reduce(*args, **kwargs)
+
+    engine.allreduce_gradients = counted_reduce
 
     def counting(name):
         def read(self, *args, **kwargs):

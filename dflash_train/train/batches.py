@@ -182,17 +182,18 @@ def full_head_weight(model: DFlashDraftModel):
 
 def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce", attention: str = "split",
                     chunk: int | None = 1024, head: str = "eager",
-                    prefix_weighting: bool = False) -> tuple[torch.Tensor, BlockStats]:
+                    prefix_weighting: bool = False, kl_temperature: float = 1.0) -> tuple[torch.Tensor, BlockStats]:
     """Unnormalised weighted loss sum of one micro-batch (differentiable) and its stats, both on the
     model's device; nothing is read back to the host. head: eager | compiled (the LM head's per-chunk
-    epilogue, train/head_epilogue.py); prefix_weighting: see `microbatch_predictions`."""
+    epilogue, train/head_epilogue.py); prefix_weighting, kl_temperature: see `microbatch_predictions`."""
     device = model.fc.weight.device
     if mb.anchors.numel() == 0:  # no supervised pair in these documents: a zero that still has a graph
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         return zero, BlockStats.zeros(model.config.block_size, device)
     index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)  # host nonzero: no device sync
     loss_sum, preds = microbatch_predictions(model, mb, index, loss=loss, attention=attention, chunk=chunk,
-                                             head=head, prefix_weighting=prefix_weighting)
+                                             head=head, prefix_weighting=prefix_weighting,
+                                             kl_temperature=kl_temperature)
     return loss_sum, block_stats(loss_sum, to_device(mb.labels, device), to_device(mb.weights, device), preds, index,
                                  to_device(mb.block_weight, device))
 
@@ -200,14 +201,16 @@ def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce"
 def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch.Tensor | None = None, *,
                            loss: str = "ce", attention: str = "split",
                            chunk: int | None = 1024, head: str = "eager",
-                           prefix_weighting: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           prefix_weighting: bool = False,
+                           kl_temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The training forward of a micro-batch with at least one anchor: (weighted loss sum, the
     drafter's argmax as target ids [M] at the labelled slots, row-major, on the model's device).
     Blocks are as wide as `mb.labels` (at most the drafter's block size). `index` [M]: the flat
     positions of the labelled slots (found on the host when not given). prefix_weighting
     (`objective.prefix_weighting`): each slot's weight is also scaled by the drafter's own chance (no
     gradient) that the slots before it in its block are all right, the chance serving reaches it; taken in
-    the head's own pass (`loss.head_loss(reweight=)`)."""
+    the head's own pass (`loss.head_loss(reweight=)`). kl_temperature (`objective.kl_temperature`): the kl
+    teacher's log-probs are divided by it before they are renormalised (`loss.topk_soft_targets`)."""
     device = model.fc.weight.device
     if index is None:
         index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)
@@ -224,7 +227,7 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
             raise ValueError("loss kl needs documents with the target's top-k (DocumentSource(topk=k))")
         ids, logp = (to_device(t, device) for t in mb.target_topk)
         # kl scores a slot whose label the reduced vocab lacks when some of its top-k ids are in it
-        tids, p, keep = topk_soft_targets(model.target_to_draft(ids.long()), logp, labels)
+        tids, p, keep = topk_soft_targets(model.target_to_draft(ids.long()), logp, labels, kl_temperature)
         target = (tids, p)
     with full_head_weight(model) as weight:
         rows = hidden.flatten(0, 1).index_select(0, index)

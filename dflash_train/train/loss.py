@@ -228,14 +228,15 @@ def accepted_prefix_weights(probs: torch.Tensor, index: torch.Tensor, shape: tup
     return exclusive.flatten().index_select(0, index)
 
 
-def topk_soft_targets(draft_ids: torch.Tensor, logp: torch.Tensor,
-                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def topk_soft_targets(draft_ids: torch.Tensor, logp: torch.Tensor, labels: torch.Tensor,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kl loss's teacher per position: (ids [M, k] long, p [M, k] fp32, scored [M] bool).
 
     draft_ids [M, k]: the target's top-k ids mapped to draft ids, negative where the draft vocab
     lacks the id (a reduced vocabulary); logp [M, k] their target log-probabilities; labels [M]
     draft ids (negative: outside the draft vocab). p is the target's distribution renormalised
-    over the ids the draft vocab has (a softmax of their log-probs); a position with none of them
+    over the ids the draft vocab has (a softmax of their log-probs, divided by `temperature` first:
+    `objective.kl_temperature`); a position with none of them
     falls back to its label (p = 1 there), and `scored` is False where that label is missing too.
     No host reads (torch.where only), so a GPU step never waits here.
     """
@@ -246,7 +247,7 @@ def topk_soft_targets(draft_ids: torch.Tensor, logp: torch.Tensor,
     use_label = fallback & first
     keep = torch.where(fallback, first, keep)
     ids = torch.where(use_label, labels[:, None], draft_ids)
-    lp = torch.where(use_label, torch.zeros((), dtype=torch.float32, device=logp.device), logp.float())
+    lp = torch.where(use_label, torch.zeros((), dtype=torch.float32, device=logp.device), logp.float() / temperature)
     p = torch.softmax(lp.masked_fill(~keep, float("-inf")), -1)
     scored = (ids[:, 0] >= 0) | ~fallback[:, 0]
     return torch.where(keep, ids, 0).clamp(min=0).long(), p, scored

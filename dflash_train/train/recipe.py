@@ -153,6 +153,9 @@ class ObjectiveConfig(_Section):
     # the top k over: target_vocab (the whole head, then the draft ids among them), or draft_vocab (a reduced
     # drafter vocabulary's ids only: its rows of the head, a twelfth of SmolLM2's for 4K ids, in a cache of its own)
     kl_teacher: Literal["target_vocab", "draft_vocab"] = "target_vocab"
+    # the teacher's top-k log-probs divided by this before they are renormalised: below 1 sharpens it toward its
+    # greedy token (ce on greedy labels is the limit), above 1 flattens it. The check (val/, fit/) keeps 1
+    kl_temperature: float = Field(1.0, gt=0)
     labels: Literal["greedy", "dataset"] = "greedy"
     anchors_per_document: int = Field(512, gt=0)  # blocks sampled per document, resampled every epoch
     # instead of a count, a fraction of each document's candidates with a floor and a cap, e.g.

@@ -322,6 +322,23 @@ def test_kl_to_a_one_hot_topk_on_the_greedy_token_is_the_greedy_cross_entropy(re
         assert float(more.detach()) > float(ce.detach()) + 1.0  # the slots ce skips now carry a loss
 
 
+
+def test_a_cold_kl_teacher_is_the_greedy_cross_entropy():
+    """objective.kl_temperature reaches the step's loss: a top-k one nat apart is a soft teacher at 1 (its kl
+    is not the ce), and divided by 0.01 all of its mass is on the greedy token (its kl is the ce)."""
+    model, docs = tiny_model(), random_docs([40, 31, 52])
+    for d in docs:
+        rest = torch.randint(0, V, (len(d), 3), generator=torch.Generator().manual_seed(len(d)))
+        rest = torch.where(rest == d.greedy_next[:, None], (rest + 1) % V, rest)
+        d.target_topk_ids = torch.cat([d.greedy_next[:, None], rest], 1).int()
+        d.target_topk_logp = torch.tensor([0.0, -1.0, -2.0, -3.0]).expand(len(d), 4).bfloat16()
+    mb = build_microbatch(docs, [0, 1, 2], block_size=4, anchors_per_document=12, labels="greedy", seed=0, epoch=0)
+    ce, _ = microbatch_loss(model, mb, loss="ce", chunk=16)
+    warm, _ = microbatch_loss(model, mb, loss="kl", chunk=16)
+    cold, _ = microbatch_loss(model, mb, loss="kl", chunk=16, kl_temperature=0.01)
+    torch.testing.assert_close(cold, ce, atol=1e-4, rtol=1e-5)
+    assert abs(float(warm.detach()) - float(ce.detach())) > 1.0
+
 def zero_stage_step(stage: int) -> dict:
     """One training step of a reduced-vocabulary drafter (frozen head) through a real DeepSpeed engine at
     `stage` (fp32, gloo world of one): the loss, and every weight after the step, gathered."""

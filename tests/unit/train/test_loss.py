@@ -361,3 +361,27 @@ def test_reweight_equals_the_loss_with_weights_scaled_beforehand(monkeypatch, ki
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     plain = run(w, None)
     assert not torch.allclose(got[3], plain[3], atol=1e-3)  # the factors reach the head's gradient
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_the_kl_teachers_temperature_divides_the_kept_log_probs(temperature):
+    g = torch.Generator().manual_seed(11)
+    m, v, k = 9, 30, 6
+    tlp = torch.log_softmax(torch.randn(m, v, generator=g) * 3, -1)
+    logp_k, ids_k = tlp.topk(k, dim=-1)
+    kept = torch.sort(torch.randperm(v, generator=g)[:20]).values
+    draft_ids = _to_draft(ids_k, kept)
+    labels = _to_draft(ids_k[:, 0], kept)
+    tids, p, _ = topk_soft_targets(draft_ids, logp_k, labels, temperature)
+    _, p1, _ = topk_soft_targets(draft_ids, logp_k, labels)
+    for r in range(m):
+        keep = draft_ids[r] >= 0
+        if not keep.any():
+            continue
+        want = torch.softmax(logp_k[r][keep] / temperature, -1)  # renormalised over the kept ids after dividing
+        torch.testing.assert_close(p[r][keep], want)
+        assert torch.equal(tids[r][keep], draft_ids[r][keep])
+        # sharper below 1 and flatter above: the teacher's top kept id gains or loses mass against temperature 1
+        if keep.sum() > 1:
+            top = int(torch.nonzero(keep)[0])
+            assert (p[r, top] > p1[r, top]) == (temperature < 1)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import threading
 import time
 from pathlib import Path
 
-from dflash_train.stages import Stage, command_path, run_stage
+from dflash_train.stages import Stage, command_path, run_stage, stop_stages
 from dflash_train.train.run_folder import trained_otherwise
 
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m-demo.yaml"
@@ -176,6 +177,11 @@ def run_lanes(stages: list[Stage], log, side: list[tuple[str, ...]] | None = Non
     try:
         for stage in main[split:]:
             run_stage(stage, log)
+        for thread in threads:
+            thread.join()
+    except BaseException as exc:  # stopped while the lanes run: theirs stop too (`stages.stop_stages`)
+        stop_stages(getattr(exc, "signum", signal.SIGTERM))
+        raise
     finally:
         for thread in threads:
             thread.join()

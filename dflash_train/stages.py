@@ -5,14 +5,21 @@ pipeline of stages (the demo, a sweep) resumes where it stopped, unless that out
 older than an earlier stage's output it was made from, or made from other settings (a recipe that
 changed since). stdout is kept for the caller's summary and the log; stderr (the progress bars) goes
 through to the terminal.
+
+A stage runs in a session of its own, so a terminal's Ctrl-C or hang-up reaches only this process, which
+hands the signal on once to every stage still running (`stop_stages`): each cleans up as the command would
+alone, and is killed if it has not ended after GRACE_S. A `kill` of this process alone (a scheduler's
+SIGTERM) therefore stops its stages too, instead of leaving them running without it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +43,30 @@ class Stage:
     seconds: float = 0.0
     status: str = "pending"
     output: list[str] = field(default_factory=list)
+
+
+GRACE_S = 30.0  # a stopped stage's time to clean up (temporary folders, locks) before it is killed
+_running: set[subprocess.Popen] = set()  # the stages' processes now running, in every lane
+_running_lock = threading.Lock()
+
+
+def stop_stages(signum: int = signal.SIGTERM, grace: float | None = None) -> None:
+    """Send `signum` to every stage still running, wait up to `grace` seconds (default GRACE_S) for them all,
+    kill the rest."""
+    with _running_lock:
+        procs = [p for p in _running if p.poll() is None]
+    for proc in procs:
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + (GRACE_S if grace is None else grace)
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def command_path(name: str) -> str:
@@ -76,11 +107,21 @@ def run_stage(stage: Stage, log, prefix: str = "[demo]") -> None:
     log.write(f"\n$ {' '.join(stage.argv)}\n")
     log.flush()
     env = None if stage.threads is None else {**os.environ, "OMP_NUM_THREADS": str(stage.threads)}
-    proc = subprocess.Popen(stage.argv, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
-    for line in proc.stdout:
-        stage.output.append(line.rstrip("\n"))
-        log.write(line)
-    code = proc.wait()
+    proc = subprocess.Popen(stage.argv, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env,
+                            start_new_session=True)  # signals come through this process (`stop_stages`)
+    with _running_lock:
+        _running.add(proc)
+    try:
+        for line in proc.stdout:
+            stage.output.append(line.rstrip("\n"))
+            log.write(line)
+        code = proc.wait()
+    except BaseException as exc:  # stopped (errors.Stopped carries the signal) or broken: the stages stop too
+        stop_stages(getattr(exc, "signum", signal.SIGTERM))
+        raise
+    finally:
+        with _running_lock:
+            _running.discard(proc)
     stage.seconds = time.time() - t0
     if code not in stage.allowed_exit:
         tail = "\n".join(stage.output[-15:])

@@ -42,7 +42,8 @@ def test_paper_recipe_values():
     assert (r.data.max_length, r.objective.anchors_per_document, r.engine.zero_stage) == (3072, 512, 2)
     assert load_recipe(ROOT / "qwen3.5-9b-b16.yaml").recipe.drafter.mask_token_id == 248070
     demo = load_recipe(ROOT / "smollm2-135m-demo.yaml").recipe
-    assert demo.target is None and demo.drafter.block_size == 4 and demo.objective.anchors_per_document == 32 and demo.drafter.mask_token_id == 16
+    assert demo.target is None and demo.drafter.block_size == 4 and demo.drafter.mask_token_id == 16
+    assert demo.objective.anchors_per_document == 32  # 32 blocks of 4: the block tokens of 16 of 8
     # the demo mixes casual chat with ShareGPT (eval reports tau per source); features are cached once
     from dflash_train.train.recipe import source_label
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-# a stage: writes its pid, then on a signal counts what else arrives for 0.5 s, writes the count and exits
+# a stage: writes its pid, then on a signal waits 0.5 s (a second one would be recorded), writes the names and exits
 CHILD = r"""
 import os, signal, sys, time
 from pathlib import Path

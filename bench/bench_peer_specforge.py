@@ -6,7 +6,7 @@ everything but the trainer fixed: it reads a finished run folder of ours (its re
 prepared rows and held-out split, its offline feature cache, its step plan: the same documents in the
 same micro-batches at every step) and trains SpecForge's `OnlineDFlashModel` (its draft model, its
 anchor sampler, its loss over the target's frozen full-vocabulary head and embedding) on them, with the
-recipe's AdamW, warm-up, cosine schedule and gradient clip. What differs is what a user changes by
+recipe's AdamW, warm-up, cosine schedule and gradient clip, in fp32 on the CPU. What differs is what a user changes by
 changing trainer: the objective (CE on the dataset's tokens with SpecForge's `loss_type`, against the
 recipe's KL teacher with prefix weighting), the head (the target's, frozen, against a trained 4K head),
 the anchor sampler and the initialisation.
@@ -150,6 +150,9 @@ def main() -> None:
     ours = build_drafter(recipe, target_path, target, tokenizer,
                          lambda: training_token_frequencies(rows, train_rows, read_token_freq(data_path)), world)
     o = recipe.objective
+    if o.anchors_per_document is None:
+        raise SystemExit(f"--run {args.run}: objective.anchor_density has no SpecForge equivalent; give a run with "
+                         "objective.anchors_per_document (SpecForge's num_anchors)")
     topk = o.kl_topk if o.loss == "kl" else None
     vocab = ours.t2d.nonzero().squeeze(1).cpu() if topk and o.kl_teacher == "draft_vocab" and ours.config.reduced_vocab \
         else None
@@ -178,7 +181,16 @@ def main() -> None:
                                                              recipe.optim.min_lr_ratio))
     args.output.mkdir(parents=True, exist_ok=True)
     state_path, log_path = args.output / "state.pt", args.output / "log.jsonl"
-    start = 0
+    meta = {"run": str(args.run), "loss": args.loss, "gamma": gamma, "steps": total, "block_size": qconfig.block_size,
+            "anchors": o.anchors_per_document, "lr": recipe.optim.lr, "grad_clip": recipe.optim.grad_clip,
+            "specforge": _specforge_version(args.specforge)}
+    meta_path, drafter, start = args.output / "meta.json", args.output / "drafter", 0
+    before = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    if (state_path.is_file() or drafter.is_dir()) and before != meta:
+        raise SystemExit(f"--output {args.output}: holds a run of other settings ({before}); give a new folder")
+    if (drafter / "config.json").is_file():
+        print(f"{drafter}: already trained with these settings", flush=True)
+        return
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)
         model.draft_model.load_state_dict(state["model"])
@@ -187,10 +199,7 @@ def main() -> None:
         torch.set_rng_state(state["rng"])
         start = state["step"]
         print(f"resumed at step {start} from {state_path}", flush=True)
-    meta = {"run": str(args.run), "loss": args.loss, "gamma": gamma, "steps": total, "block_size": qconfig.block_size,
-            "anchors": o.anchors_per_document, "lr": recipe.optim.lr, "grad_clip": recipe.optim.grad_clip,
-            "specforge": _specforge_version(args.specforge)}
-    (args.output / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 
     model.train()
     window, t0 = [], time.time()
@@ -224,7 +233,6 @@ def main() -> None:
             os.replace(tmp, state_path)
     bar.close()
     write_zlab(args.output / "zlab", config, model.draft_model, recipe.drafter.dtype)
-    drafter = args.output / "drafter"
     subprocess.run([str(Path(sys.executable).with_name("dflash-convert")), "to-speculators", str(args.output / "zlab"),
                     str(drafter), "--overwrite"], check=True)
     print(f"steps {start}..{total} in {time.time() - t0:.0f} s; drafter: {drafter}\nmeasure it:\n"

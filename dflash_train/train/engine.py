@@ -13,6 +13,7 @@ instead. With ZeRO 1-3 it is torch's AdamW (fused on CUDA) inside DeepSpeed's Ze
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import socket
@@ -61,8 +62,18 @@ def init_distributed() -> World:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(_destroy_process_group)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return World(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _destroy_process_group() -> None:
+    """Tear the group down before the interpreter does: a gloo group left to static destruction can abort
+    the process after its work is done ("terminate called without an active exception", exit -6)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def barrier() -> None:

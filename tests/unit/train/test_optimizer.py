@@ -240,3 +240,16 @@ def test_the_fused_cuda_step_makes_no_host_sync_and_equals_the_cpu_step():
                 torch.cuda.set_sync_debug_mode("default")
     for a, b in zip(opts[0].masters, opts[1].masters, strict=True):
         torch.testing.assert_close(a, b.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_process_group_is_torn_down_before_the_interpreter_exits():
+    """A gloo group left to the interpreter's finalization can abort a finished process ("terminate called
+    without an active exception", exit -6, seen once in CI). A handler registered before `init_distributed`
+    runs after its teardown (atexit is last-in first-out) and sees no group."""
+    code = ("import atexit, torch.distributed as dist\n"
+            "atexit.register(lambda: print('group alive at exit:', dist.is_initialized(), flush=True))\n"
+            "from dflash_train.train.engine import init_distributed\n"
+            "w = init_distributed(); print('world', w.size, dist.is_initialized(), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["world", "1", "True", "group", "alive", "at", "exit:", "False"], out.stdout

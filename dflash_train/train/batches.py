@@ -38,6 +38,7 @@ from dflash_train.train.loss import (
     BlockStats,
     accepted_prefix_weights,
     block_stats,
+    expected_length_weights,
     head_loss,
     topk_soft_targets,
 )
@@ -182,10 +183,12 @@ def full_head_weight(model: DFlashDraftModel):
 
 def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce", attention: str = "split",
                     chunk: int | None = 1024, head: str = "eager",
-                    prefix_weighting: bool = False, kl_temperature: float = 1.0) -> tuple[torch.Tensor, BlockStats]:
+                    prefix_weighting: bool | str = False, prefix_smoothing: float | None = None,
+                    kl_temperature: float = 1.0) -> tuple[torch.Tensor, BlockStats]:
     """Unnormalised weighted loss sum of one micro-batch (differentiable) and its stats, both on the
     model's device; nothing is read back to the host. head: eager | compiled (the LM head's per-chunk
-    epilogue, train/head_epilogue.py); prefix_weighting, kl_temperature: see `microbatch_predictions`."""
+    epilogue, train/head_epilogue.py); prefix_weighting, prefix_smoothing, kl_temperature: see
+    `microbatch_predictions`."""
     device = model.fc.weight.device
     if mb.anchors.numel() == 0:  # no supervised pair in these documents: a zero that still has a graph
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
@@ -193,7 +196,7 @@ def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce"
     index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)  # host nonzero: no device sync
     loss_sum, preds = microbatch_predictions(model, mb, index, loss=loss, attention=attention, chunk=chunk,
                                              head=head, prefix_weighting=prefix_weighting,
-                                             kl_temperature=kl_temperature)
+                                             prefix_smoothing=prefix_smoothing, kl_temperature=kl_temperature)
     return loss_sum, block_stats(loss_sum, to_device(mb.labels, device), to_device(mb.weights, device), preds, index,
                                  to_device(mb.block_weight, device))
 
@@ -201,7 +204,7 @@ def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce"
 def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch.Tensor | None = None, *,
                            loss: str = "ce", attention: str = "split",
                            chunk: int | None = 1024, head: str = "eager",
-                           prefix_weighting: bool = False,
+                           prefix_weighting: bool | str = False, prefix_smoothing: float | None = None,
                            kl_temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The training forward of a micro-batch with at least one anchor: (weighted loss sum, the
     drafter's argmax as target ids [M] at the labelled slots, row-major, on the model's device).
@@ -209,7 +212,9 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
     positions of the labelled slots (found on the host when not given). prefix_weighting
     (`objective.prefix_weighting`): each slot's weight is also scaled by the drafter's own chance (no
     gradient) that the slots before it in its block are all right, the chance serving reaches it; taken in
-    the head's own pass (`loss.head_loss(reweight=)`). kl_temperature (`objective.kl_temperature`): the kl
+    the head's own pass (`loss.head_loss(reweight=)`); "expected_length": by the derivative of the block's
+    expected accepted length (`loss.expected_length_weights`, D-PACE). prefix_smoothing: the probabilities'
+    smoothing (`objective.prefix_smoothing`; None: 0 for prefix weighting, 0.5 for expected_length). kl_temperature (`objective.kl_temperature`): the kl
     teacher's log-probs are divided by it before they are renormalised (`loss.topk_soft_targets`)."""
     device = model.fc.weight.device
     if index is None:
@@ -234,9 +239,12 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
         reweight = None
         if prefix_weighting:  # a label outside a reduced vocabulary is never drafted: probability 0
             shape = tuple(mb.labels.shape)
+            weigh = expected_length_weights if prefix_weighting == "expected_length" else accepted_prefix_weights
+            smoothing = prefix_smoothing if prefix_smoothing is not None else \
+                (0.5 if prefix_weighting == "expected_length" else 0.0)
 
             def reweight(probs):
-                return accepted_prefix_weights(probs * keep, index, shape)
+                return weigh(probs * keep, index, shape, smoothing)
         loss_sum, preds = head_loss(rows, weight, labels.clamp(min=0), w * keep, kind=loss, target=target,
                                     chunk=chunk, compiled=head == "compiled", reweight=reweight)
     return loss_sum, model.draft_to_target(preds)

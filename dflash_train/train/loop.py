@@ -143,7 +143,8 @@ def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPl
         with forward_precision(recipe, world.device):
             loss_sum, st = microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
                                            chunk=kernels.logits_chunk, head=kernels.head,
-                                           prefix_weighting=o.prefix_weighting, kl_temperature=o.kl_temperature)
+                                           prefix_weighting=o.prefix_weighting, prefix_smoothing=o.prefix_smoothing,
+                                           kl_temperature=o.kl_temperature)
         # DeepSpeed averages gradients over ranks: multiply by world to keep a global sum / global weight
         engine.backward(loss_sum * (world.size / global_weight).to(loss_sum.dtype), scale_wrt_gas=False)
         last = i == len(mbs) - 1

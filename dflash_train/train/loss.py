@@ -217,15 +217,36 @@ def label_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     return seen[0] if seen else torch.zeros(0, dtype=torch.float32, device=hidden.device)
 
 
-def accepted_prefix_weights(probs: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def accepted_prefix_weights(probs: torch.Tensor, index: torch.Tensor, shape: tuple[int, int],
+                            smoothing: float = 0.0) -> torch.Tensor:
     """[M]: for each labelled slot (flat positions `index` of [N, B] blocks), the product of `probs` over
     the labelled slots before it in its block, i.e. the drafter's own chance (no gradient) that greedy
-    verification reaches that slot. Slots without a label pass (slot 0: the anchor, which is always kept)."""
-    full = torch.ones(shape[0] * shape[1], dtype=torch.float32, device=probs.device)
-    full[index] = probs.float()
-    blocks = full.view(shape)
+    verification reaches that slot. Slots without a label pass (slot 0: the anchor, which is always kept).
+    smoothing a: each probability is taken as (1 - a) p + a, which keeps early in training the later slots'
+    weights off zero."""
+    blocks = _smoothed_blocks(probs, index, shape, smoothing)
     exclusive = torch.cat([torch.ones_like(blocks[:, :1]), torch.cumprod(blocks, dim=1)[:, :-1]], dim=1)
     return exclusive.flatten().index_select(0, index)
+
+
+def expected_length_weights(probs: torch.Tensor, index: torch.Tensor, shape: tuple[int, int],
+                            smoothing: float = 0.5) -> torch.Tensor:
+    """[M]: the derivative of the block's expected accepted length, sum_j prod_{i<=j} p_i over its labelled
+    slots, with respect to log p_k: sum over the labelled slots j >= k of prod_{i<=j} p_i (no gradient). A
+    slot counts for every later slot it lets verification reach, not only for itself. With smoothing 0.5
+    this is D-PACE (SpecForge's `dpace` loss); `smoothing` as in `accepted_prefix_weights`."""
+    blocks = _smoothed_blocks(probs, index, shape, smoothing)
+    labelled = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=probs.device)
+    labelled[index] = 1.0
+    reach = torch.cumprod(blocks, dim=1) * labelled.view(shape)
+    to_end = reach.flip(1).cumsum(1).flip(1)
+    return to_end.flatten().index_select(0, index)
+
+
+def _smoothed_blocks(probs: torch.Tensor, index: torch.Tensor, shape: tuple[int, int], smoothing: float) -> torch.Tensor:
+    full = torch.ones(shape[0] * shape[1], dtype=torch.float32, device=probs.device)
+    full[index] = (1.0 - smoothing) * probs.float() + smoothing
+    return full.view(shape)
 
 
 def topk_soft_targets(draft_ids: torch.Tensor, logp: torch.Tensor, labels: torch.Tensor,

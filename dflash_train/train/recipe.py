@@ -164,8 +164,12 @@ class ObjectiveConfig(_Section):
     gamma: float | None = Field(None, gt=0)  # default: by block size (see anchors.gamma_for_block_size)
     # also scale slot k's weight by the drafter's own chance (no gradient) that slots 1..k-1 of its block are
     # right: what greedy verification needs to reach slot k. One more LM-head forward a step. The check's loss
-    # (val/, fit/) stays the plain weighted loss, so it compares across settings
-    prefix_weighting: bool = False
+    # (val/, fit/) stays the plain weighted loss, so it compares across settings. expected_length: instead by the
+    # derivative of the block's expected accepted length, sum over j >= k of P(slots 1..j right) (D-PACE): a slot
+    # also counts for the later slots it lets verification reach
+    prefix_weighting: bool | Literal["expected_length"] = False
+    # each probability in those products taken as (1 - a) p + a; null: 0 for true, 0.5 (D-PACE's) for expected_length
+    prefix_smoothing: float | None = Field(None, ge=0, le=1)
     # a mixture's sources count alike in the loss: each block's slot weights times rows / (sources x rows of
     # its source), the weights the step's acceptance curve uses (documents.source_balance); false: by rows
     balance_sources: bool = False

@@ -407,11 +407,15 @@ def test_a_trained_reduced_head_under_zero3_is_refused_by_the_recipe():
                                 "drafter": {"draft_vocab_size": 64, "train_lm_head": True}})
 
 
-@pytest.mark.parametrize("autocast,frozen_head", [(False, True), (True, True), (False, False)])
-def test_prefix_weighting_scales_each_slot_by_the_drafters_chance_of_reaching_it(autocast, frozen_head):
+@pytest.mark.parametrize("autocast,frozen_head,kind", [(False, True, True), (True, True, True), (False, False, True),
+                                                       (False, True, "expected_length"),
+                                                       (False, False, "expected_length")])
+def test_prefix_weighting_scales_each_slot_by_the_drafters_chance_of_reaching_it(autocast, frozen_head, kind):
     """objective.prefix_weighting equals the plain loss with each slot's weight times the product, over the
     slots before it in its block, of the drafter's probability of their labels (no gradient through it):
-    in the head's one pass (a frozen head), and in a separate pass first (a trained head)."""
+    in the head's one pass (a frozen head), and in a separate pass first (a trained head).
+    expected_length: times the sum over the labelled slots j >= k of the product over slots <= j of
+    (p + 1) / 2 (D-PACE's smoothing 0.5)."""
     import dataclasses
     from contextlib import nullcontext
 
@@ -426,7 +430,7 @@ def test_prefix_weighting_scales_each_slot_by_the_drafters_chance_of_reaching_it
     def run(batch, prefix):
         model.zero_grad()
         with amp:
-            loss, _ = microbatch_loss(model, batch, chunk=7, prefix_weighting=prefix)
+            loss, _ = microbatch_loss(model, batch, chunk=7, prefix_weighting=kind if prefix else False)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         if not frozen_head:
@@ -441,18 +445,27 @@ def test_prefix_weighting_scales_each_slot_by_the_drafters_chance_of_reaching_it
         probs = torch.softmax((hidden.float() @ head_weight(model).float().t()), -1)
     scale = torch.ones_like(mb.weights)
     for n in range(mb.labels.shape[0]):
-        reach = 1.0
+        reach, reached = 1.0, []
         for k in range(mb.labels.shape[1]):
             scale[n, k] = reach
             if mb.labels[n, k] != IGNORE:
-                reach *= float(probs[n, k, mb.labels[n, k]])
-    assert 0 < float(scale[:, 2:][mb.valid[:, 2:]].max()) < 1 and torch.all(scale[:, :2] == 1)
+                p = float(probs[n, k, mb.labels[n, k]])
+                reach *= p if kind is True else (p + 1) / 2
+                reached.append((k, reach))
+        if kind == "expected_length":
+            for k, _ in reached:
+                scale[n, k] = sum(r for j, r in reached if j >= k)
+    if kind is True:
+        assert 0 < float(scale[:, 2:][mb.valid[:, 2:]].max()) < 1 and torch.all(scale[:, :2] == 1)
+    else:
+        both = mb.valid[:, 1] & mb.valid[:, 2]  # slot 1 counts for the slots after it too: more than slot 2
+        assert both.any() and torch.all(scale[:, 1][both] > scale[:, 2][both])
     weighted = dataclasses.replace(mb, weights=mb.weights * scale)
     loss_p, grads_p = run(mb, True)
     loss_r, grads_r = run(weighted, False)
     loss_0, _ = run(mb, False)
     tol = 2e-2 if autocast else 1e-5
-    assert loss_p == pytest.approx(loss_r, rel=tol) and loss_p < loss_0 * 0.9
+    assert loss_p == pytest.approx(loss_r, rel=tol) and abs(loss_p - loss_0) > 0.1 * loss_0
     for name in grads_r:
         assert torch.allclose(grads_p[name], grads_r[name], rtol=tol, atol=tol * float(grads_r[name].abs().max())), name
 

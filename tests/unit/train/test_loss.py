@@ -11,6 +11,7 @@ from dflash_train.train.loss import (
     accept_lengths,
     auto_logits_chunk,
     block_stats,
+    expected_length_weights,
     head_loss,
     head_matmul_dtype,
     reference_head_loss,
@@ -385,3 +386,28 @@ def test_the_kl_teachers_temperature_divides_the_kept_log_probs(temperature):
         if keep.sum() > 1:
             top = int(torch.nonzero(keep)[0])
             assert (p[r, top] > p1[r, top]) == (temperature < 1)
+
+
+def test_expected_length_weights_are_the_gradient_of_the_blocks_expected_accepted_length():
+    """Slot k's weight is d E[accepted] / d log p_k with E = sum_j prod_{i<=j} p~_i, p~ = (1 - a) p + a, over
+    a block's labelled slots (autograd on the closed form); unlabelled slots neither multiply nor count."""
+    torch.manual_seed(0)
+    n, b = 5, 6
+    valid = torch.rand(n, b) > 0.25
+    valid[:, 0] = False  # the anchor: never labelled
+    index = valid.flatten().nonzero().squeeze(1)
+    probs = torch.rand(index.numel()) * 0.9 + 0.05
+    for a in (0.0, 0.5):
+        log_p = probs.log().requires_grad_()
+        full = torch.ones(n * b).index_put((index,), (1 - a) * log_p.exp() + a).view(n, b)
+        reach = torch.cumprod(full, 1) * valid
+        reach.sum().backward()
+        # d/dlog p_k of p~_k is (1 - a) p_k / p~_k: the closed form's weight with that factor divided out
+        want = log_p.grad / ((1 - a) * probs / ((1 - a) * probs + a))
+        got = expected_length_weights(probs, index, (n, b), smoothing=a)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the last labelled slot of a block counts only for itself: its weight is its own reach probability
+    last = valid.cumsum(1).eq(valid.sum(1, keepdim=True)) & valid
+    reach0 = torch.cumprod(torch.ones(n * b).index_put((index,), probs).view(n, b), 1)
+    torch.testing.assert_close(expected_length_weights(probs, index, (n, b), 0.0)[last.flatten()[index]],
+                               reach0[last])

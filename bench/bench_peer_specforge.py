@@ -109,18 +109,9 @@ def main() -> None:
                          "them with `pip install --no-deps --target DIR specforge==0.2.0`") from None
     from transformers import Qwen3Config
 
-    from dflash_train.data.vocab import read_token_freq, training_token_frequencies
     from dflash_train.target import load_target, resolve_target, target_torch_dtype
     from dflash_train.train.build_drafter import build_drafter
-    from dflash_train.train.documents import (
-        DocumentSource,
-        fraction_of_rows,
-        holdout_split,
-        load_rows,
-        offline_cache,
-        prepared_rows,
-        source_balance,
-    )
+    from dflash_train.train.documents import prepared_rows, recipe_source, source_balance, training_rows
     from dflash_train.train.engine import World, lr_lambda
     from dflash_train.train.loop import StepPlan
     from dflash_train.train.recipe import load_recipe
@@ -138,29 +129,18 @@ def main() -> None:
     target_path = resolve_target(recipe.target)
     target, tokenizer = load_target(target_path, dtype=target_torch_dtype(recipe.data.target_dtype, device),
                                     device="cpu")
-    data_path = prepared_rows(recipe.data, target_path)
-    rows = load_rows(data_path)
-    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.data.seed)
-    held_run = json.loads((args.run / "holdout_rows.json").read_text())["rows"]
-    if held != held_run:
+    data = training_rows(recipe.data, prepared_rows(recipe.data, target_path))
+    if data.held != json.loads((args.run / "holdout_rows.json").read_text())["rows"]:
         raise SystemExit(f"--run {args.run}: its held-out rows differ from this data's split; rerun its train stage")
-    labels = list(rows["source"]) if "source" in rows.column_names else None
-    train_rows = fraction_of_rows(train_rows, recipe.data.train_fraction, recipe.data.seed, labels)
-    # our drafter is built only for the draft vocabulary that names the run's feature cache (its top-k teacher)
-    ours = build_drafter(recipe, target_path, target, tokenizer,
-                         lambda: training_token_frequencies(rows, train_rows, read_token_freq(data_path)), world)
     o = recipe.objective
     if o.anchors_per_document is None:
         raise SystemExit(f"--run {args.run}: objective.anchor_density has no SpecForge equivalent; give a run with "
                          "objective.anchors_per_document (SpecForge's num_anchors)")
-    topk = o.kl_topk if o.loss == "kl" else None
-    vocab = ours.t2d.nonzero().squeeze(1).cpu() if topk and o.kl_teacher == "draft_vocab" and ours.config.reduced_vocab \
-        else None
-    cache = offline_cache(recipe.data, target_path, data_path, ours.config.target_layer_ids, topk,
-                          greedy=o.labels == "greedy", topk_vocab=vocab)
-    source = DocumentSource(rows, "offline", target, ours.config.target_layer_ids, cache, topk=topk,
-                            target_hidden=target.config.get_text_config().hidden_size, topk_vocab=vocab)
-    plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, 1, source_balance(train_rows, labels))
+    # our drafter is built only for the draft vocabulary that names the run's feature cache (its top-k teacher)
+    ours = build_drafter(recipe, target_path, target, tokenizer, data.token_counts, world)
+    source = recipe_source(recipe, target_path, data, target, ours)
+    plan = StepPlan(data.train, [source.lengths[i] for i in data.train], recipe, 1,
+                    source_balance(data.train, data.labels))
     total = args.steps or plan.total
 
     config = zlab_config(ours)

@@ -22,14 +22,19 @@ import hashlib
 import json
 import random
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflash_train.data.packing import Document
 from dflash_train.errors import DataError, MissingDependencyError
 from dflash_train.train.anchors import shared_prefix_length
-from dflash_train.train.recipe import DataConfig
+from dflash_train.train.recipe import DataConfig, TrainRecipe
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 
 def _key(obj) -> str:
@@ -142,6 +147,45 @@ def holdout_split(num_rows: int, fraction: float, seed: int) -> tuple[list[int],
     held = sorted(random.Random(f"holdout-{seed}").sample(range(num_rows), k))
     held_set = set(held)
     return [i for i in range(num_rows) if i not in held_set], held
+
+
+@dataclass
+class TrainingRows:
+    """The prepared rows (`path`), the ones a run trains on (the held-out split removed, then
+    `data.train_fraction`), the held-out ones, and each row's source label (None: no `source` column)."""
+    path: Path
+    rows: Dataset
+    train: list[int]
+    held: list[int]
+    labels: list[str] | None
+
+    def token_counts(self):
+        """The training rows' token frequencies (held-out answers must not pick the draft vocabulary)."""
+        from dflash_train.data.vocab import read_token_freq, training_token_frequencies
+
+        return training_token_frequencies(self.rows, self.train, read_token_freq(self.path))
+
+
+def training_rows(data: DataConfig, data_path: Path) -> TrainingRows:
+    rows = load_rows(data_path)
+    train, held = holdout_split(len(rows), data.holdout_fraction, data.seed)
+    labels = list(rows["source"]) if "source" in rows.column_names else None
+    return TrainingRows(data_path, rows, fraction_of_rows(train, data.train_fraction, data.seed, labels), held, labels)
+
+
+def recipe_source(recipe: TrainRecipe, target_path: str, rows: TrainingRows, target_model, drafter) -> DocumentSource:
+    """The documents `recipe` trains `drafter` on: the kl loss's teacher top-k (over the drafter's own ids with
+    `objective.kl_teacher: draft_vocab` and a reduced vocabulary), from the offline cache (computed once, then
+    reused) or computed in memory, as `data.features` says."""
+    o, data = recipe.objective, recipe.data
+    topk = o.kl_topk if o.loss == "kl" else None
+    vocab = drafter.t2d.nonzero().squeeze(1).cpu() \
+        if topk and o.kl_teacher == "draft_vocab" and drafter.config.reduced_vocab else None
+    layers = drafter.config.target_layer_ids
+    cache = offline_cache(data, target_path, rows.path, layers, topk, greedy=o.labels == "greedy",
+                          topk_vocab=vocab) if data.features == "offline" else None
+    return DocumentSource(rows.rows, data.features, target_model, layers, cache, topk=topk,
+                          target_hidden=target_model.config.get_text_config().hidden_size, topk_vocab=vocab)
 
 
 def interleave_by_label(rows: list[int], labels: list[str]) -> list[int]:

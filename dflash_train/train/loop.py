@@ -35,12 +35,10 @@ from dflash_train.train.documents import (
     MEMORY_SHARE,
     DocumentSource,
     fit_rows,
-    fraction_of_rows,
-    holdout_split,
-    load_rows,
-    offline_cache,
     prepared_rows,
+    recipe_source,
     source_balance,
+    training_rows,
     validation_rows,
 )
 from dflash_train.train.engine import (
@@ -246,29 +244,11 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     barrier()
     data_path = prepared_rows(recipe.data, target_path) if not world.is_main else data_path
     lap("prepare_and_regenerate")
-    rows = load_rows(data_path)
-    train_rows, held = holdout_split(len(rows), recipe.data.holdout_fraction, recipe.data.seed)
-    labels = list(rows["source"]) if "source" in rows.column_names else None
-    train_rows = fraction_of_rows(train_rows, recipe.data.train_fraction, recipe.data.seed, labels)
-
-    def token_counts():  # the training rows' own: held-out answers must not pick the draft vocabulary
-        from dflash_train.data.vocab import read_token_freq, training_token_frequencies
-
-        return training_token_frequencies(rows, train_rows, read_token_freq(data_path))
-
-    drafter = build_drafter(recipe, target_path, target_model, tokenizer, token_counts, world).to(world.device)
+    data = training_rows(recipe.data, data_path)
+    rows, train_rows, held, labels = data.rows, data.train, data.held, data.labels
+    drafter = build_drafter(recipe, target_path, target_model, tokenizer, data.token_counts, world).to(world.device)
     check_writable(output, "--output", space_needed(drafter, recipe), inside=output.is_dir())
-    cache = None
-    topk = recipe.objective.kl_topk if recipe.objective.loss == "kl" else None  # teacher top-k for the kl loss
-    teacher_vocab = None  # kl_teacher draft_vocab: the top k over the drafter's own ids (sorted target ids)
-    if topk and recipe.objective.kl_teacher == "draft_vocab" and drafter.config.reduced_vocab:
-        teacher_vocab = drafter.t2d.nonzero().squeeze(1).cpu()
-    if recipe.data.features == "offline":
-        cache = offline_cache(recipe.data, target_path, data_path, drafter.config.target_layer_ids, topk,
-                              greedy=recipe.objective.labels == "greedy", topk_vocab=teacher_vocab)
-    source = DocumentSource(rows, recipe.data.features, target_model, drafter.config.target_layer_ids, cache,
-                            topk=topk, target_hidden=target_model.config.get_text_config().hidden_size,
-                            topk_vocab=teacher_vocab)
+    source = recipe_source(recipe, target_path, data, target_model, drafter)
     plan = StepPlan(train_rows, [source.lengths[i] for i in train_rows], recipe, world.size,
                     source_balance(train_rows, labels))
     val_rows = validation_rows(held, labels, recipe.logging.eval_documents)

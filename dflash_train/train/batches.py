@@ -214,8 +214,9 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
     gradient) that the slots before it in its block are all right, the chance serving reaches it; taken in
     the head's own pass (`loss.head_loss(reweight=)`); "expected_length": by the derivative of the block's
     expected accepted length (`loss.expected_length_weights`, D-PACE). prefix_smoothing: the probabilities'
-    smoothing (`objective.prefix_smoothing`; None: 0 for prefix weighting, 0.5 for expected_length). kl_temperature (`objective.kl_temperature`): the kl
-    teacher's log-probs are divided by it before they are renormalised (`loss.topk_soft_targets`)."""
+    smoothing (`objective.prefix_smoothing`; None: 0 for prefix weighting, 0.5 for expected_length).
+    kl_temperature (`objective.kl_temperature`): the kl teacher's log-probs are divided by it before they are
+    renormalised (`loss.topk_soft_targets`)."""
     device = model.fc.weight.device
     if index is None:
         index = to_device(mb.valid.flatten().nonzero().squeeze(1), device)

@@ -194,6 +194,9 @@ class ObjectiveConfig(_Section):
     def _prompt_labels(self) -> ObjectiveConfig:
         if self.positions == "all" and self.labels != "greedy":
             raise ValueError("objective.positions: all needs objective.labels: greedy (prompts hold the user's text)")
+        if self.prefix_smoothing is not None and not self.prefix_weighting:
+            raise ValueError("objective.prefix_smoothing is set but objective.prefix_weighting is false: it smooths "
+                             "the weighting's probabilities; set prefix_weighting (true or expected_length) or drop it")
         return self
 
 

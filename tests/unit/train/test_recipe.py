@@ -194,3 +194,14 @@ def test_a_kl_teacher_over_the_draft_vocabulary_needs_one():
     assert ok.kl_teacher == "draft_vocab"
     with pytest.raises(ConfigError, match="objective.kl_teacher"):
         load_recipe(None, base=base, overrides=["objective.kl_teacher=draft"])
+
+
+def test_prefix_smoothing_without_prefix_weighting_is_refused_by_name():
+    base = {"data": {"prepared": "rows"}}
+    with pytest.raises(ConfigError, match="objective.prefix_smoothing is set but objective.prefix_weighting is false"):
+        load_recipe(None, base={**base, "objective": {"prefix_smoothing": 0.5}})
+    for kind in (True, "expected_length"):
+        o = load_recipe(None, base={**base, "objective": {"prefix_weighting": kind, "prefix_smoothing": 0.3}}).recipe.objective
+        assert o.prefix_weighting == kind and o.prefix_smoothing == 0.3
+    with pytest.raises(ConfigError, match="prefix_weighting"):
+        load_recipe(None, base={**base, "objective": {"prefix_weighting": "expected"}})

@@ -109,6 +109,7 @@ def main() -> None:
                          "them with `pip install --no-deps --target DIR specforge==0.2.0`") from None
     from transformers import Qwen3Config
 
+    from dflash_train.model.weights import write_json
     from dflash_train.target import load_target, resolve_target, target_torch_dtype
     from dflash_train.train.build_drafter import build_drafter
     from dflash_train.train.documents import prepared_rows, recipe_source, source_balance, training_rows
@@ -179,7 +180,7 @@ def main() -> None:
         torch.set_rng_state(state["rng"])
         start = state["step"]
         print(f"resumed at step {start} from {state_path}", flush=True)
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    write_json(meta_path, meta)  # atomic: a killed run never leaves a half-written meta.json
 
     model.train()
     window, t0 = [], time.time()

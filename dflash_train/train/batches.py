@@ -241,11 +241,10 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
         if prefix_weighting:  # a label outside a reduced vocabulary is never drafted: probability 0
             shape = tuple(mb.labels.shape)
             weigh = expected_length_weights if prefix_weighting == "expected_length" else accepted_prefix_weights
-            smoothing = prefix_smoothing if prefix_smoothing is not None else \
-                (0.5 if prefix_weighting == "expected_length" else 0.0)
+            smoothing = {} if prefix_smoothing is None else {"smoothing": prefix_smoothing}  # None: weigh's default
 
             def reweight(probs):
-                return weigh(probs * keep, index, shape, smoothing)
+                return weigh(probs * keep, index, shape, **smoothing)
         loss_sum, preds = head_loss(rows, weight, labels.clamp(min=0), w * keep, kind=loss, target=target,
                                     chunk=chunk, compiled=head == "compiled", reweight=reweight)
     return loss_sum, model.draft_to_target(preds)

@@ -375,14 +375,19 @@ class DocumentSource:
         return result
 
 
-def cache_complete(path: Path) -> bool:
-    """Whether the feature cache folder at `path` holds a complete cache (its manifest says so)."""
+def _manifest(path: Path) -> dict:
+    """The feature cache's manifest at `path`, or {} where there is none (or it cannot be read)."""
     from dflash_train.features.cache import MANIFEST_FILE
 
     try:
-        return bool(json.loads((path / MANIFEST_FILE).read_text()).get("complete"))
+        return json.loads((path / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
-        return False
+        return {}
+
+
+def cache_complete(path: Path) -> bool:
+    """Whether the feature cache folder at `path` holds a complete cache (its manifest says so)."""
+    return bool(_manifest(path).get("complete"))
 
 
 def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None,
@@ -413,6 +418,8 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
         lean = path.with_name(f"{name}-nogreedy")
         if not greedy and not topk and not cache_complete(path):
             path = lean  # a complete cache with greedy tokens serves dataset labels too; else a lean one
+        if greedy and tag and cache_complete(path) and not _manifest(path).get("greedy_next", True):
+            path = path.with_name(f"{name}-greedy")  # written for dataset labels: greedy ones get a folder of their own
         if not cache_complete(path):  # missing, or left incomplete by an interrupted run: (re)write resumes it
             from dflash_train.output_lock import output_lock
 

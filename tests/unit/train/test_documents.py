@@ -209,6 +209,31 @@ def test_dataset_labels_reuse_a_greedy_cache_or_write_a_lean_one(tmp_path, train
     assert offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], greedy=False).path == full.path
 
 
+def test_greedy_labels_over_a_lean_draft_vocab_cache_get_a_folder_of_their_own(tmp_path, train_tiny_target,
+                                                                               train_prepared):
+    """Decision: a draft-vocabulary teacher's cache written for dataset labels has no greedy tokens (its
+    target forward skips the whole head); a later run with greedy labels writes one beside it instead of
+    stopping on the lean one, and both hold the same features and teacher."""
+    from dflash_train.features.extract import vocab_tag
+    from dflash_train.train.documents import offline_cache
+    from dflash_train.train.recipe import DataConfig
+
+    data = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path))
+    vocab = torch.arange(0, 64, 3)
+    lean = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], topk=4, greedy=False, topk_vocab=vocab)
+    assert lean.path.name == f"features-1-3-5-top4-v{vocab_tag(vocab)}" and lean.manifest["greedy_next"] is False
+    full = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], topk=4, topk_vocab=vocab)
+    assert full.path.name == f"{lean.path.name}-greedy" and full.manifest["greedy_next"] is True
+    a, b = lean.document(1), full.document(1)
+    assert torch.equal(a.features, b.features) and torch.equal(a.target_topk_ids, b.target_topk_ids)
+    assert b.greedy_next is not None and b.greedy_next.shape == b.input_ids.shape
+    # both now exist: each kind of label keeps reading its own
+    again = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], topk=4, topk_vocab=vocab)
+    assert again.path == full.path
+    assert offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], topk=4, greedy=False,
+                         topk_vocab=vocab).path == lean.path
+
+
 def test_held_out_rows_of_a_mixture_alternate_between_sources():
     from dflash_train.train.documents import interleave_by_label
 

@@ -17,7 +17,8 @@ agree with fp32's and with the data's next token.
 `--teachers` instead times the cache the kl loss's teacher needs against the lean cache (`greedy=False`:
 the forward stops after the deepest feature layer, no LM head) on the same rows, interleaved: the top 32
 over the whole head (`objective.kl_teacher: target_vocab`) and over a 4,096-id draft vocabulary, the ids
-most frequent in the rows' answers (`draft_vocab`). It prints each one's tokens/s and time against the lean's.
+most frequent in the rows' answers (`draft_vocab`), the latter also with the target's greedy tokens (the whole
+head's argmax: `objective.labels: greedy`). It prints each one's tokens/s and time against the lean's.
 
     python bench/bench_features.py [--rows 64] [--max-length 256] [--batch-size 8] [--repeats 3] [--dtypes | --teachers]
 """
@@ -129,7 +130,7 @@ def compare_target_dtypes(data: Path, work: Path, batch_size: int, rows_per_shar
 
 def compare_teachers(data: Path, work: Path, batch_size: int, rows_per_shard: int, repeats: int,
                      draft_vocab: int = 4096, k: int = 32) -> dict:
-    """Best-of-`repeats` seconds of the lean cache and of the two top-k teachers' caches on the same rows."""
+    """Best-of-`repeats` seconds of the lean cache and of the top-k teachers' caches on the same rows."""
     from dflash_train.data.prepare import load_prepared
     from dflash_train.data.vocab import count_token_frequencies, reduced_vocab_maps
     from dflash_train.features.cache import write_feature_cache
@@ -140,7 +141,9 @@ def compare_teachers(data: Path, work: Path, batch_size: int, rows_per_shard: in
     counts = count_token_frequencies(zip(ds["input_ids"], ds["loss_mask"], strict=True), model.config.vocab_size)
     vocab = reduced_vocab_maps(counts, draft_vocab)[1].nonzero().squeeze(1)
     kinds = {"lean": dict(greedy=False), "target_vocab": dict(topk=k),
-             "draft_vocab": dict(topk=k, greedy=False, topk_vocab=vocab)}
+             "draft_vocab": dict(topk=k, greedy=False, topk_vocab=vocab),
+             # greedy labels (objective.labels: greedy, which objective.positions: all needs) run the whole head
+             "draft_vocab_greedy": dict(topk=k, greedy=True, topk_vocab=vocab)}
     times: dict[str, list[float]] = {name: [] for name in kinds}
     for rep in range(repeats):
         for name, kw in kinds.items():
@@ -188,7 +191,7 @@ def main() -> None:
             lean = r["best_s"]["lean"]
             print(f"tokens {r['tokens']}  threads {torch.get_num_threads()}  float32 target, best of {args.repeats}")
             for name, t in r["best_s"].items():
-                print(f"cache {name:13s} {r['tokens'] / t:8.1f} tok/s  {t:7.2f} s  {t / lean:.2f}x the lean cache's time")
+                print(f"cache {name:18s} {r['tokens'] / t:8.1f} tok/s  {t:7.2f} s  {t / lean:.2f}x the lean cache's time")
             return
         if args.dtypes:
             r = compare_target_dtypes(work / "data", work, args.batch_size, args.rows_per_shard, args.repeats)

@@ -52,6 +52,8 @@ def test_paper_recipe_values():
     # issue 31's settings: KL to the target's top k among the draft ids with the reduced head trained (the demo's
     # reduced vocabulary), and the prefix weighting every recipe carries
     assert (demo.objective.loss, demo.objective.kl_teacher, demo.drafter.train_lm_head) == ("kl", "draft_vocab", True)
+    # round 11: the prompts' positions on the target's greedy tokens, at a lower learning rate
+    assert (demo.objective.positions, demo.objective.labels, demo.optim.lr) == ("all", "greedy", 1.4e-3)
     assert all(load_recipe(p).recipe.objective.prefix_weighting for p in RECIPES), \
         [p.name for p in RECIPES if not load_recipe(p).recipe.objective.prefix_weighting]
 

@@ -529,6 +529,9 @@ def test_balance_sources_reaches_the_training_microbatch_only(balance):
         def get(self, rows):
             return [docs[r] for r in rows]
 
+        def prompt_start(self):  # the demo recipe trains the prompts' positions too
+            return 2
+
     recipe = load_recipe("recipes/smollm2-135m-demo.yaml", [f"objective.balance_sources={str(balance).lower()}",
                                                             "drafter.block_size=4"]).recipe
     balance_of = {7: 0.5, 9: 3.0}
@@ -585,6 +588,9 @@ def test_feature_noise_reaches_the_training_microbatch_only():
         def get(self, rows):
             return [docs[r] for r in rows]
 
+        def prompt_start(self):  # the demo recipe trains the prompts' positions too
+            return 2
+
     clean = torch.cat([docs[7].features, docs[9].features])
     recipe = load_recipe("recipes/smollm2-135m-demo.yaml", ["objective.feature_noise=0.1", "drafter.num_features=1",
                                                             "drafter.target_layer_ids=[9]"]).recipe
@@ -632,4 +638,4 @@ def test_prompt_positions_reach_the_training_microbatch_only():
     first = lambda mb: int((mb.anchors - mb.packed.doc_start[mb.anchors]).min())  # noqa: E731
     assert first(step) == 2 and first(check) == 20 // 3
     with pytest.raises(ConfigError, match="objective.labels: greedy"):
-        load_recipe("recipes/smollm2-135m-demo.yaml", ["objective.positions=all"])
+        load_recipe("recipes/smollm2-135m-demo.yaml", ["objective.positions=all", "objective.labels=dataset"])

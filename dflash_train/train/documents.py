@@ -396,7 +396,8 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
     `topk` (the kl loss) its shards must hold at least k top-k log-probs per token, over the sorted target
     ids `topk_vocab` when given (a folder of its own per vocabulary). `greedy=False`
     (dataset labels): a cache with the greedy tokens is used when one is complete, else one is
-    written without them (no LM head in the target's forward) into a folder of its own."""
+    written without them (no LM head in the target's forward) into a folder of its own. A draft-vocabulary
+    teacher's cache written for dataset labels keeps its name; greedy labels then get `<name>-greedy`."""
     try:
         from dflash_train.features.cache import FeatureCache, write_feature_cache
     except ImportError as exc:
@@ -418,7 +419,8 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
         lean = path.with_name(f"{name}-nogreedy")
         if not greedy and not topk and not cache_complete(path):
             path = lean  # a complete cache with greedy tokens serves dataset labels too; else a lean one
-        if greedy and tag and cache_complete(path) and not _manifest(path).get("greedy_next", True):
+        written = _manifest(path)
+        if greedy and tag and written.get("complete") and not written.get("greedy_next", True):
             path = path.with_name(f"{name}-greedy")  # written for dataset labels: greedy ones get a folder of their own
         if not cache_complete(path):  # missing, or left incomplete by an interrupted run: (re)write resumes it
             from dflash_train.output_lock import output_lock

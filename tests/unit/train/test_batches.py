@@ -516,6 +516,20 @@ def test_loss_row_weight_scales_each_documents_slot_weights_and_so_the_loss():
     assert float(microbatch_predictions(model, plain)[0]) == pytest.approx(own[0] + own[1], rel=1e-5)
 
 
+class Rows:
+    """Prepared rows' documents by row id, served as the training loop's document source serves them; the rows'
+    shared template prefix ends at position 2 (the demo recipe trains the prompts' positions after it)."""
+
+    def __init__(self, docs: dict):
+        self.docs = docs
+
+    def get(self, rows):
+        return [self.docs[r] for r in rows]
+
+    def prompt_start(self):
+        return 2
+
+
 @pytest.mark.parametrize("balance", [False, True])
 def test_balance_sources_reaches_the_training_microbatch_only(balance):
     """objective.balance_sources: the step's micro-batches carry the sources' balance in their slot weights;
@@ -525,21 +539,14 @@ def test_balance_sources_reaches_the_training_microbatch_only(balance):
 
     docs = dict(zip([7, 9], random_docs([20, 31]), strict=True))
 
-    class Rows:  # the documents of prepared rows 7 and 9
-        def get(self, rows):
-            return [docs[r] for r in rows]
-
-        def prompt_start(self):  # the demo recipe trains the prompts' positions too
-            return 2
-
     recipe = load_recipe("recipes/smollm2-135m-demo.yaml", [f"objective.balance_sources={str(balance).lower()}",
                                                             "drafter.block_size=4"]).recipe
     balance_of = {7: 0.5, 9: 3.0}
-    step = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"), row_weight=balance_of)
-    plain = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"))
+    step = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"), row_weight=balance_of)
+    plain = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"))
     factor = torch.where(step.packed.doc_ids[step.anchors] == 0, 0.5, 3.0)[:, None]
     assert torch.allclose(step.weights, plain.weights * factor if balance else plain.weights)
-    check = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"), every_anchor=True)
+    check = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"), every_anchor=True)
     assert float(check.weights.max()) == 1.0  # slot 1's plain weight: no balance factor
 
 
@@ -584,18 +591,11 @@ def test_feature_noise_reaches_the_training_microbatch_only():
 
     docs = dict(zip([7, 9], random_docs([20, 31]), strict=True))
 
-    class Rows:
-        def get(self, rows):
-            return [docs[r] for r in rows]
-
-        def prompt_start(self):  # the demo recipe trains the prompts' positions too
-            return 2
-
     clean = torch.cat([docs[7].features, docs[9].features])
     recipe = load_recipe("recipes/smollm2-135m-demo.yaml", ["objective.feature_noise=0.1", "drafter.num_features=1",
                                                             "drafter.target_layer_ids=[9]"]).recipe
-    step = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"))
-    check = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"), every_anchor=True)
+    step = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"))
+    check = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"), every_anchor=True)
     assert torch.equal(check.packed.features, clean) and not torch.equal(step.packed.features, clean)
     assert float((step.packed.features - clean).abs().max()) <= 0.1 * float(clean.pow(2).mean(-1).sqrt().max())
 
@@ -624,17 +624,10 @@ def test_prompt_positions_reach_the_training_microbatch_only():
 
     docs = dict(zip([7, 9], random_docs([20, 31]), strict=True))
 
-    class Rows:
-        def get(self, rows):
-            return [docs[r] for r in rows]
-
-        def prompt_start(self):
-            return 2
-
     recipe = load_recipe("recipes/smollm2-135m-demo.yaml", ["objective.positions=all", "objective.labels=greedy",
                                                             "objective.anchors_per_document=1000"]).recipe
-    step = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"))
-    check = _microbatch(recipe, Rows(), [7, 9], 0, torch.device("cpu"), every_anchor=True)
+    step = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"))
+    check = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"), every_anchor=True)
     first = lambda mb: int((mb.anchors - mb.packed.doc_start[mb.anchors]).min())  # noqa: E731
     assert first(step) == 2 and first(check) == 20 // 3
     with pytest.raises(ConfigError, match="objective.labels: greedy"):

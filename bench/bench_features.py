@@ -18,7 +18,8 @@ agree with fp32's and with the data's next token.
 the forward stops after the deepest feature layer, no LM head) on the same rows, interleaved: the top 32
 over the whole head (`objective.kl_teacher: target_vocab`) and over a 4,096-id draft vocabulary, the ids
 most frequent in the rows' answers (`draft_vocab`), the latter also with the target's greedy tokens (the whole
-head's argmax: `objective.labels: greedy`). It prints each one's tokens/s and time against the lean's.
+head's argmax: `objective.labels: greedy`) and with them at the prompts' positions only (`objective.labels:
+dataset` with `objective.positions: all`). It prints each one's tokens/s and time against the lean's.
 
     python bench/bench_features.py [--rows 64] [--max-length 256] [--batch-size 8] [--repeats 3] [--dtypes | --teachers]
 """
@@ -142,8 +143,10 @@ def compare_teachers(data: Path, work: Path, batch_size: int, rows_per_shard: in
     vocab = reduced_vocab_maps(counts, draft_vocab)[1].nonzero().squeeze(1)
     kinds = {"lean": dict(greedy=False), "target_vocab": dict(topk=k),
              "draft_vocab": dict(topk=k, greedy=False, topk_vocab=vocab),
-             # greedy labels (objective.labels: greedy, which objective.positions: all needs) run the whole head
-             "draft_vocab_greedy": dict(topk=k, greedy=True, topk_vocab=vocab)}
+             # greedy labels (objective.labels: greedy) run the whole head at every position; dataset labels with
+             # objective.positions: all at the prompts' positions only
+             "draft_vocab_greedy": dict(topk=k, greedy=True, topk_vocab=vocab),
+             "draft_vocab_prompts": dict(topk=k, greedy="prompts", topk_vocab=vocab)}
     times: dict[str, list[float]] = {name: [] for name in kinds}
     for rep in range(repeats):
         for name, kw in kinds.items():

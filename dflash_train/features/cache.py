@@ -12,7 +12,9 @@ Layout of a cache folder:
   prepared data's path and fingerprint, and one entry per finished shard (rows, tokens, bytes,
   sha256), plus `complete`, `topk` (0: no top-k) and `greedy_next` (false: written with
   `greedy=False`, for `objective.labels: dataset`: the forward stopped after the deepest layer
-  needed, no LM head, and the `greedy_next` column holds -1).
+  needed, no LM head, and the `greedy_next` column holds -1; "prompts": written with `greedy="prompts"`,
+  for dataset labels on the answers and the prompts' positions trained too: the argmax only where the
+  next token is outside the loss mask, -1 where it is an answer's token).
 
 Writing: a shard's layout is known before the forward passes (row lengths come from the prepared
 data), so its header is written first and each batch's rows are written at their offsets. Rows are
@@ -38,6 +40,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -60,6 +63,16 @@ IO_THREADS_CUDA = 4
 SAFETY = 0.6
 TOPK_KEYS = ("target_topk_ids", "target_topk_logp")
 NO_GREEDY = -1  # the greedy_next column of a cache written without the LM head
+
+
+def outside_answers(masks: list[torch.Tensor], width: int) -> torch.Tensor:
+    """[B, width] bool: the positions of right-padded rows whose next token is outside the loss mask (the
+    template's and the prompts' tokens), where `greedy="prompts"` needs the target's argmax. A position whose
+    next token is an answer's is labelled with that token, and the last one has no next token."""
+    out = torch.zeros(len(masks), width, dtype=torch.bool)
+    for j, m in enumerate(masks):
+        out[j, : m.numel() - 1] = ~m[1:].bool()
+    return out
 
 
 def shard_name(k: int) -> str:
@@ -90,7 +103,7 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
                         rows_per_shard: int = 256, dtype: str = "bfloat16", model=None,
                         batch_tokens: int | None = None, io_threads: int | None = None,
                         stats: dict | None = None, topk: int | None = None, target_dtype: str | None = None,
-                        greedy: bool = True, topk_vocab: torch.Tensor | None = None) -> Path:
+                        greedy: bool | Literal["prompts"] = True, topk_vocab: torch.Tensor | None = None) -> Path:
     """Compute and store target features for every row of a prepared dataset (resumable).
 
     `model`: an already loaded target (benchmarks, tests); by default it is loaded from `target`.
@@ -103,6 +116,9 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
     CPU); `dtype` is what the features are stored in.
     `greedy=False`: no greedy next tokens (`objective.labels: dataset` never reads them), so the target's
     forward stops after the deepest layer asked for and its LM head never runs (~1.2x faster for SmolLM2).
+    `greedy="prompts"` (`objective.labels: dataset` with `objective.positions: all`): the greedy next token only
+    where the next token is not an answer's (the dataset's token is the label there), so the whole head runs on
+    the prompts' positions alone; with a top k over the whole vocabulary every position's argmax comes free.
     """
     from tqdm import tqdm
 
@@ -155,7 +171,8 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
         "feature_dim": hidden * len(layer_ids), "dtype": dtype, "num_rows": len(ds),
         "num_tokens": sum(lengths_all), "rows_per_shard": rows_per_shard,
         "data_path": str(Path(data).resolve()), "data_fingerprint": ds._fingerprint, "topk": topk,
-        "target_dtype": compute, "greedy_next": bool(greedy or (topk and topk_vocab is None)), "shards": [],
+        "target_dtype": compute, "shards": [],
+        "greedy_next": True if greedy is True or (topk and topk_vocab is None) else greedy or False,
         "topk_vocab": vocab_tag(topk_vocab) if topk and topk_vocab is not None else None,
     }
     manifest["shards"] = resumable_shards(out, manifest)
@@ -215,8 +232,9 @@ def write_feature_cache(target: str | None, data: str | Path, output: str | Path
                 ids_l = [torch.tensor(rows[r]["input_ids"], dtype=torch.long) for r in idx]
                 masks = [torch.tensor(rows[r]["loss_mask"], dtype=torch.uint8) for r in idx]
                 ids, attn = pad_right(ids_l)
+                wanted = outside_answers(masks, ids.shape[1]).to(device) if greedy == "prompts" else greedy
                 feats, next_ids, *top = target_forward(model, layer_ids, ids.to(device), attn.to(device), topk or None,
-                                                       greedy=greedy, topk_vocab=topk_vocab if topk else None)
+                                                       greedy=wanted, topk_vocab=topk_vocab if topk else None)
                 if next_ids is None:
                     next_ids = torch.full(ids.shape, NO_GREEDY, dtype=torch.long, device=feats.device)
                 top = [top[0], top[1].to(torch.bfloat16)] if top else []
@@ -246,10 +264,11 @@ class FeatureCache:
     """Read access to a complete cache; `document(i)` is row i of the prepared data."""
 
     def __init__(self, path: str | Path, target: str | None = None, target_layer_ids: list[int] | None = None,
-                 topk: int | None = None, target_dtype: str | None = None, greedy: bool = False,
+                 topk: int | None = None, target_dtype: str | None = None, greedy: bool | str = False,
                  topk_vocab: str | None = None):
         """The arguments, when given, are what the reader needs; a cache that does not hold it is refused.
-        `greedy`: the target's greedy next tokens (`objective.labels: greedy`); `topk_vocab`: with `topk`, the
+        `greedy`: the target's greedy next tokens (`objective.labels: greedy`), or "prompts": at least where the
+        next token is outside the loss mask (dataset labels with the prompts' positions); `topk_vocab`: with `topk`, the
         `vocab_tag` of the ids the top k must be taken over (None: the whole vocabulary)."""
         self.path = Path(path)
         self.manifest = {"topk": 0, "greedy_next": True, **read_manifest(self.path)}
@@ -281,10 +300,14 @@ class FeatureCache:
             raise DataError(f"{self.path}: features were computed by the target in {m['target_dtype']}, but "
                             f"data.target_dtype asks for {target_dtype}; set data.target_dtype: {m['target_dtype']} "
                             "or point data.feature_cache at another folder")
-        if greedy and not m["greedy_next"]:
-            raise DataError(f"{self.path}: the feature cache was written without the target's greedy next tokens "
-                            "(for objective.labels: dataset); objective.labels: greedy needs them. Set "
-                            "objective.labels: dataset, or point data.feature_cache at a cache written with them")
+        if greedy and m["greedy_next"] is not True and not (greedy == "prompts" and m["greedy_next"] == "prompts"):
+            held = ("only at the prompts' positions (written for dataset labels with objective.positions: all)"
+                    if m["greedy_next"] == "prompts" else "nowhere (written for objective.labels: dataset)")
+            need = ("objective.positions: all needs them at the prompts' positions" if greedy == "prompts"
+                    else "objective.labels: greedy needs them at every position")
+            raise DataError(f"{self.path}: the feature cache holds the target's greedy next tokens {held}; {need}. "
+                            "Point data.feature_cache at a cache written with them, or leave it unset (each "
+                            "labelling gets a folder of its own)")
         self._starts = [s["rows"][0] for s in m["shards"]]
         self._open: dict[int, tuple] = {}
         self._data = None

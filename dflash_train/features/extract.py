@@ -34,7 +34,7 @@ class _StopForward(Exception):
 
 @torch.no_grad()
 def head_outputs(head, final: torch.Tensor, topk: int | None = None, chunk: int = _HEAD_CHUNK,
-                 vocab: torch.Tensor | None = None, greedy: bool = True):
+                 vocab: torch.Tensor | None = None, greedy: bool | torch.Tensor = True):
     """(greedy [B, T] long, top-k ids [B, T, k] int32, top-k log-probs [B, T, k] fp32) of the LM head
     `head` over post-norm states `final` [B, T, H], `chunk` positions (over the whole batch) at a
     time; the top-k pair is None when `topk` is None. Log-probabilities are normalised over the
@@ -42,16 +42,28 @@ def head_outputs(head, final: torch.Tensor, topk: int | None = None, chunk: int 
 
     `vocab` (sorted target ids, e.g. a drafter's reduced vocabulary): the top k over those ids only, normalised
     over them, from the head's rows of those ids (a twelfth of SmolLM2's head for 4,096 ids); the ids returned
-    are target ids. `greedy=False`: no argmax (None), so with `vocab` the whole head never runs."""
+    are target ids. `greedy=False`: no argmax (None), so with `vocab` the whole head never runs. `greedy` a bool
+    [B, T] mask: the argmax at those positions only (-1 at the others), their rows alone through the whole head;
+    except with a top k over the whole head, which computes every position's argmax anyway."""
     shape = final.shape[:2]
     flat = final.reshape(-1, final.shape[-1])
     n = flat.shape[0]
-    if vocab is None and not greedy:
+    where = greedy.reshape(-1).to(final.device) if isinstance(greedy, torch.Tensor) else None
+    if where is not None and topk and vocab is None:
+        where, greedy = None, True  # the top k over the whole head computes every position's argmax anyway
+    if where is None and vocab is None and not greedy:
         raise ValueError("head_outputs: greedy=False needs a vocab (the top-k over the whole head gives the argmax)")
     if vocab is not None:  # moved to the device once, not per chunk
         vocab = vocab.to(head.weight.device)
     rows = head.weight[vocab] if vocab is not None else None
-    out = torch.empty(n, dtype=torch.long, device=final.device) if greedy else None
+    if where is not None:  # the argmax at some positions: their rows alone go through the whole head
+        out = torch.full((n,), -1, dtype=torch.long, device=final.device)
+        picked = where.nonzero().squeeze(1)
+        for s in range(0, picked.numel(), chunk):
+            out[picked[s: s + chunk]] = head(flat[picked[s: s + chunk]]).argmax(-1)
+        greedy = False
+    else:
+        out = torch.empty(n, dtype=torch.long, device=final.device) if greedy else None
     ids = logp = None
     if topk:
         ids = torch.empty((n, topk), dtype=torch.int32, device=final.device)
@@ -67,7 +79,7 @@ def head_outputs(head, final: torch.Tensor, topk: int | None = None, chunk: int 
             ids[s: s + chunk] = index if vocab is None else vocab[index]
             logp[s: s + chunk] = values
         del logits
-    greedy_ids = out.view(shape) if greedy else None
+    greedy_ids = out.view(shape) if out is not None else None
     if not topk:
         return greedy_ids, None, None
     return greedy_ids, ids.view(*shape, topk), logp.view(*shape, topk)

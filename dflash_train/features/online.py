@@ -28,7 +28,7 @@ from dflash_train.features.layer_ids import check_target_layer_ids
 @torch.no_grad()
 def target_forward(model, layer_ids: Sequence[int], input_ids: torch.Tensor,
                    attention_mask: torch.Tensor | None = None, topk: int | None = None,
-                   greedy: bool = True, topk_vocab: torch.Tensor | None = None) -> tuple:
+                   greedy: bool | torch.Tensor = True, topk_vocab: torch.Tensor | None = None) -> tuple:
     """(features [B, T, n*H], greedy next tokens [B, T]) for a right-padded batch; with `topk`,
     also (top-k ids [B, T, k] int32, top-k log-probs [B, T, k] fp32) from the same head chunks.
 
@@ -36,8 +36,10 @@ def target_forward(model, layer_ids: Sequence[int], input_ids: torch.Tensor,
     deepest layer in `layer_ids`: the LM head (a fifth of SmolLM2's compute) and the layers
     above are never run. The features are the same either way. `topk_vocab` (sorted target ids): the
     top k over those ids only (`head_outputs`); with `greedy=False` the greedy tokens are None and only
-    the head's rows of those ids run."""
-    stop_at = None if greedy or topk else max(layer_ids)
+    the head's rows of those ids run. `greedy` a bool [B, T] mask: the greedy tokens at those positions only
+    (-1 elsewhere), the whole head run on their rows alone."""
+    masked = isinstance(greedy, torch.Tensor)
+    stop_at = None if masked or greedy or topk else max(layer_ids)
     with capture_layers(model, layer_ids, stop_at) as cap:
         out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     feats = cap.features()
@@ -45,7 +47,7 @@ def target_forward(model, layer_ids: Sequence[int], input_ids: torch.Tensor,
         return feats, None
     final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     g, ids, logp = head_outputs(model.get_output_embeddings(), final, topk, vocab=topk_vocab,
-                                greedy=greedy or topk_vocab is None)
+                                greedy=greedy if masked else greedy or topk_vocab is None)
     return (feats, g) if not topk else (feats, g, ids, logp)
 
 

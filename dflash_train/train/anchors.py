@@ -62,13 +62,29 @@ def shared_prefix_length(rows: list[list[int]]) -> int:
     return max(1, n)
 
 
-def with_prompt_positions(doc, start: int):
+def with_prompt_positions(doc, start: int, answers_from_dataset: bool = False):
     """`doc` with its loss mask widened to every position from `start` on (`objective.positions: all`):
     the prompt's tokens after the shared template prefix become anchors and labelled slots too. Their
-    labels must be the target's greedy tokens (what it would say there), never the user's text."""
+    labels must be the target's greedy tokens (what it would say there), never the user's text.
+
+    `answers_from_dataset` (`objective.labels: dataset`): the greedy column is rewritten so that a slot on an
+    answer's token reads that token and one on the prompt the target's argmax; greedy labels then give both.
+    The argmax is needed only where the next token is outside the loss mask: a feature cache written with
+    `greedy="prompts"` holds it there alone (-1 at the others)."""
     mask = doc.loss_mask.clone()
     mask[start:] = True
-    return replace(doc, loss_mask=mask)
+    if not answers_from_dataset:
+        return replace(doc, loss_mask=mask)
+    greedy = doc.greedy_next
+    if greedy is None:
+        raise ValueError("prompt positions train on the target's greedy tokens: these documents hold none")
+    answer = doc.loss_mask[1:].bool().to(greedy.device)
+    merged = greedy.clone()
+    merged[:-1] = torch.where(answer, doc.input_ids[1:].to(greedy.device), greedy[:-1])
+    if bool((merged[max(0, start - 1): -1] < 0).any()):
+        raise ValueError("prompt positions train on the target's greedy tokens, and these documents miss one at a "
+                         "prompt's position (a feature cache written without them)")
+    return replace(doc, loss_mask=mask, greedy_next=merged)
 
 
 def anchor_budget(candidates: int, per_document: int, density: tuple[float, int, int | None] | None = None) -> int:

@@ -103,12 +103,12 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     feature_noise: (scale, feature layers): `add_feature_noise` on the packed features, seeded by (seed,
     epoch, first row), so a resumed run sees the same noise (`objective.feature_noise`).
     prompt_from: also train every prompt position from this one on (`objective.positions: all`; the rows'
-    shared template prefix, anchors.shared_prefix_length), on the target's greedy labels.
+    shared template prefix, anchors.shared_prefix_length), on the target's greedy labels (with `labels` dataset,
+    the answers' slots keep the dataset's tokens: anchors.with_prompt_positions).
     """
-    if prompt_from is not None:
-        if labels != "greedy":
-            raise ValueError("prompt positions train on the target's greedy tokens: labels must be greedy")
-        docs = [with_prompt_positions(d, prompt_from) for d in docs]
+    if prompt_from is not None:  # dataset labels keep the answers' tokens and take the target's on the prompts
+        docs = [with_prompt_positions(d, prompt_from, answers_from_dataset=labels == "dataset") for d in docs]
+        labels = "greedy"
     packed = pack_documents(docs, pin_memory=pin_memory)
     if feature_noise and feature_noise[0] > 0 and rows:
         g = torch.Generator(device=packed.features.device).manual_seed(anchor_seed(seed + 1, epoch, rows[0]))

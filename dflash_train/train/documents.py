@@ -182,7 +182,9 @@ def recipe_source(recipe: TrainRecipe, target_path: str, rows: TrainingRows, tar
     vocab = drafter.t2d.nonzero().squeeze(1).cpu() \
         if topk and o.kl_teacher == "draft_vocab" and drafter.config.reduced_vocab else None
     layers = drafter.config.target_layer_ids
-    cache = offline_cache(data, target_path, rows.path, layers, topk, greedy=o.labels == "greedy",
+    # dataset labels with the prompts' positions need the target's argmax there alone
+    greedy = o.labels == "greedy" or ("prompts" if o.positions == "all" else False)
+    cache = offline_cache(data, target_path, rows.path, layers, topk, greedy=greedy,
                           topk_vocab=vocab) if data.features == "offline" else None
     return DocumentSource(rows.rows, data.features, target_model, layers, cache, topk=topk,
                           target_hidden=target_model.config.get_text_config().hidden_size, topk_vocab=vocab)
@@ -390,14 +392,22 @@ def cache_complete(path: Path) -> bool:
     return bool(_manifest(path).get("complete"))
 
 
+def _serves(manifest: dict, greedy: bool | str) -> bool:
+    """Whether a feature cache with this manifest is complete and holds the greedy tokens `greedy` asks for."""
+    held = manifest.get("greedy_next", True)
+    return bool(manifest.get("complete")) and (not greedy or held is True or (greedy == "prompts" and held == greedy))
+
+
 def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None,
-                  greedy: bool = True, topk_vocab: torch.Tensor | None = None):
+                  greedy: bool | str = True, topk_vocab: torch.Tensor | None = None):
     """The data stage's FeatureCache for these rows and layer ids (written once if missing); with
     `topk` (the kl loss) its shards must hold at least k top-k log-probs per token, over the sorted target
     ids `topk_vocab` when given (a folder of its own per vocabulary). `greedy=False`
     (dataset labels): a cache with the greedy tokens is used when one is complete, else one is
     written without them (no LM head in the target's forward) into a folder of its own. A draft-vocabulary
-    teacher's cache written for dataset labels keeps its name; greedy labels then get `<name>-greedy`."""
+    teacher's cache is named for the first labelling that wrote it; the others then get `<name>-greedy`
+    (greedy labels) or `<name>-prompts` (`greedy="prompts"`: dataset labels with the prompts' positions, the
+    target's argmax at the prompts' positions only), unless a complete one already holds what they need."""
     try:
         from dflash_train.features.cache import FeatureCache, write_feature_cache
     except ImportError as exc:
@@ -420,8 +430,12 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
         if not greedy and not topk and not cache_complete(path):
             path = lean  # a complete cache with greedy tokens serves dataset labels too; else a lean one
         written = _manifest(path)
-        if greedy and tag and written.get("complete") and not written.get("greedy_next", True):
-            path = path.with_name(f"{name}-greedy")  # written for dataset labels: greedy ones get a folder of their own
+        if not tag:
+            greedy = bool(greedy)  # the plain folder holds every greedy token: the argmax at some is no cheaper
+        elif greedy and written.get("complete") and not _serves(written, greedy):
+            # written for other labels: the first complete one that serves these, else a folder of their own
+            kinds = [path.with_name(f"{name}-greedy"), path.with_name(f"{name}-prompts")]
+            path = next((p for p in kinds if _serves(_manifest(p), greedy)), kinds[greedy == "prompts"])
         if not cache_complete(path):  # missing, or left incomplete by an interrupted run: (re)write resumes it
             from dflash_train.output_lock import output_lock
 

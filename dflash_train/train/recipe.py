@@ -176,8 +176,9 @@ class ObjectiveConfig(_Section):
     # U(-x, x) times each feature layer's RMS added to the context features of training steps (EAGLE's noise;
     # the check reads them clean); 0: none
     feature_noise: float = Field(0.0, ge=0)
-    # answers: the loss mask's; all: also the prompts' after the template prefix all rows share, on the target's
-    # greedy tokens (labels: greedy; docs/training.md). The check (val/, fit/) stays on answers
+    # answers: the loss mask's; all: also the prompts' after the template prefix all rows share, always on the
+    # target's greedy tokens (with labels: dataset the answers keep the dataset's, and an offline cache computes the
+    # target's whole head at the prompts' positions only; docs/training.md). The check (val/, fit/) stays on answers
     positions: Literal["answers", "all"] = "answers"
     # auto: compiled flex attention on a CUDA GPU, split on CPU; flex needs CUDA; dense is the reference
     attention: Literal["auto", "split", "dense", "flex"] = "auto"
@@ -191,9 +192,7 @@ class ObjectiveConfig(_Section):
     layer_kernels: Literal["auto", "eager", "compiled"] = "auto"
 
     @model_validator(mode="after")
-    def _prompt_labels(self) -> ObjectiveConfig:
-        if self.positions == "all" and self.labels != "greedy":
-            raise ValueError("objective.positions: all needs objective.labels: greedy (prompts hold the user's text)")
+    def _smoothing_needs_weighting(self) -> ObjectiveConfig:
         if self.prefix_smoothing is not None and not self.prefix_weighting:
             raise ValueError("objective.prefix_smoothing is set but objective.prefix_weighting is false: it smooths "
                              "the weighting's probabilities; set prefix_weighting (true or expected_length) or drop it")

@@ -23,5 +23,5 @@ def test_the_teacher_bench_times_the_lean_cache_and_the_teachers(tmp_path, smoll
                          env={**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr[-3000:]
     found = dict(re.findall(r"cache (\w+)\s+[\d.]+ tok/s\s+[\d.]+ s\s+([\d.]+)x the lean", out.stdout))
-    assert set(found) == {"lean", "target_vocab", "draft_vocab", "draft_vocab_greedy"}, out.stdout
+    assert set(found) == {"lean", "target_vocab", "draft_vocab", "draft_vocab_greedy", "draft_vocab_prompts"}, out.stdout
     assert float(found["lean"]) == 1.0 and all(float(v) > 0 for v in found.values())

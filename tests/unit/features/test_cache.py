@@ -495,3 +495,42 @@ def test_a_topk_over_a_draft_vocabulary_is_its_own_cache(cache, prepared, smollm
     with pytest.raises(DataError, match="topk_vocab"):
         write_feature_cache(None, prepared, out, batch_size=3, rows_per_shard=4, model=smollm2[0], topk=6,
                             greedy=False, topk_vocab=vocab[1:])
+
+
+def test_a_cache_for_dataset_labels_with_the_prompts_positions_takes_the_argmax_there_only(cache, prepared, smollm2,
+                                                                                          tmp_path):
+    """greedy="prompts" (objective.labels: dataset with objective.positions: all, over a draft vocabulary): the
+    whole head runs only on the positions whose next token is outside the loss mask, whose argmax equals the full
+    cache's; a position followed by an answer's token reads -1 (the dataset's token is its label). The features
+    and the teacher are those of the cache without greedy tokens. Readers: dataset labels with the prompts'
+    positions are served, greedy labels refused by name, and a cache without any greedy token refused for them."""
+    from dflash_train.features.cache import outside_answers
+    from dflash_train.features.extract import vocab_tag
+
+    model, vocab = smollm2[0], torch.arange(0, 4000, 7)
+    rows = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+    try:
+        out = write_feature_cache(None, prepared, tmp_path / "prompts", batch_size=3, rows_per_shard=4, model=model,
+                                  topk=6, greedy="prompts", topk_vocab=vocab)
+    finally:
+        hook.remove()
+    lean = write_feature_cache(None, prepared, tmp_path / "lean", batch_size=3, rows_per_shard=4, model=model,
+                               topk=6, greedy=False, topk_vocab=vocab)
+    full, tag = FeatureCache(cache), vocab_tag(vocab)
+    got, without = FeatureCache(out, topk=6, topk_vocab=tag, greedy="prompts"), FeatureCache(lean, topk=6, topk_vocab=tag)
+    assert got.manifest["greedy_next"] == "prompts"
+    asked = 0
+    for i in range(len(full)):
+        a, b, c = full.document(i), got.document(i), without.document(i)
+        where = outside_answers([a.loss_mask], len(a))[0]
+        asked += int(where.sum())
+        assert 0 < int(where.sum()) < len(a) - 1  # the template and the prompt, not the answer
+        assert torch.equal(b.greedy_next[where], a.greedy_next[where]) and bool((b.greedy_next[~where] == -1).all())
+        assert torch.equal(b.features, c.features) and torch.equal(b.target_topk_ids, c.target_topk_ids)
+    assert sum(rows) == asked  # the whole head saw those positions' rows and no others
+    with pytest.raises(DataError, match="only at the prompts' positions .* objective.labels: greedy needs them"):
+        FeatureCache(out, topk=6, topk_vocab=tag, greedy=True)
+    with pytest.raises(DataError, match="nowhere .* objective.positions: all needs them at the prompts"):
+        FeatureCache(lean, topk=6, topk_vocab=tag, greedy="prompts")
+    FeatureCache(cache, greedy="prompts")  # every greedy token serves the prompts too

@@ -156,3 +156,26 @@ def test_head_outputs_over_a_vocabulary_are_the_top_k_of_those_ids_normalised_ov
         head_outputs(head, final, topk=5, greedy=False)
     assert vocab_tag(vocab) == vocab_tag(vocab.clone()) != vocab_tag(vocab[1:])
     assert vocab_tag(vocab).startswith("300-")
+
+
+def test_head_outputs_take_the_argmax_only_where_asked(smollm2):
+    """`greedy` a [B, T] mask (dataset labels with the prompts' positions): the whole head's argmax at those
+    positions, -1 at the others, and the draft-vocabulary top k at every position as without the mask. Under a top k
+    over the whole head every argmax is computed anyway, so every position gets one."""
+    from dflash_train.features.extract import head_outputs
+
+    model, _ = smollm2
+    head = model.get_output_embeddings()
+    final = torch.randn(2, 9, 576, generator=torch.Generator().manual_seed(1))
+    vocab = torch.arange(0, 49152, 7)
+    where = torch.rand(2, 9, generator=torch.Generator().manual_seed(2)) < 0.4
+    where[0, 0], where[1, -1] = True, False
+    greedy, ids, logp = head_outputs(head, final, topk=5, chunk=3, vocab=vocab, greedy=where)
+    full = head(final).argmax(-1)
+    assert torch.equal(greedy[where], full[where]) and bool((greedy[~where] == -1).all())
+    _, ids_all, logp_all = head_outputs(head, final, topk=5, chunk=3, vocab=vocab, greedy=False)
+    assert torch.equal(ids, ids_all) and torch.equal(logp, logp_all)
+    only, none_k, _ = head_outputs(head, final, chunk=3, greedy=where)  # no top k: the argmax alone, where asked
+    assert none_k is None and torch.equal(only, greedy)
+    whole, _, _ = head_outputs(head, final, topk=5, chunk=3, greedy=where)
+    assert torch.equal(whole, full)

@@ -614,13 +614,36 @@ def test_prompt_positions_train_after_the_shared_prefix_on_greedy_labels():
             if a + k < int(every.packed.doc_end[a]):
                 assert every.labels[n, k] == every.packed.greedy_next[a + k - 1]
     assert torch.equal(docs[0].loss_mask, random_docs([30, 24], seed=3)[0].loss_mask)  # the documents are untouched
-    with pytest.raises(ValueError, match="greedy"):
-        build_microbatch(docs, [0, 1], prompt_from=4, **{**kw, "labels": "dataset"})
+
+
+def test_dataset_labels_with_prompt_positions_keep_the_answers_tokens_and_take_the_targets_on_prompts():
+    """labels: dataset with the prompts' positions: a slot on an answer's token is labelled with that token, one on
+    the prompt with the target's argmax; the greedy column may read -1 where an answer's token follows (a cache
+    written with greedy="prompts"), never at a prompt's position (refused by name)."""
+    docs = random_docs([30, 24], seed=3)  # answers from n // 3: positions 10.. and 8..
+    for d in docs:  # as the prompts' cache holds it: no argmax where the next token is an answer's
+        d.greedy_next[:-1][d.loss_mask[1:]] = -1
+    kw = dict(block_size=4, anchors_per_document=1000, seed=0, epoch=0, prompt_from=4)
+    mb = build_microbatch(docs, [0, 1], labels="dataset", **kw)
+    answer = torch.cat([d.loss_mask for d in docs])
+    greedy = torch.cat([d.greedy_next for d in docs])
+    checked = {"answer": 0, "prompt": 0}
+    for n, a in enumerate(mb.anchors.tolist()):
+        for k in range(1, 4):
+            p = a + k
+            if p < int(mb.packed.doc_end[a]):
+                want = mb.packed.input_ids[p] if answer[p] else greedy[p - 1]
+                assert int(mb.labels[n, k]) == int(want) >= 0
+                checked["answer" if answer[p] else "prompt"] += 1
+    assert min(checked.values()) > 10
+    docs[1].greedy_next[5] = -1  # a prompt's position without the target's argmax
+    with pytest.raises(ValueError, match="miss one at a prompt's position"):
+        build_microbatch(docs, [0, 1], labels="dataset", **kw)
 
 
 def test_prompt_positions_reach_the_training_microbatch_only():
     from dflash_train.train.loop import _microbatch
-    from dflash_train.train.recipe import ConfigError, load_recipe
+    from dflash_train.train.recipe import load_recipe
 
     docs = dict(zip([7, 9], random_docs([20, 31]), strict=True))
 
@@ -630,5 +653,13 @@ def test_prompt_positions_reach_the_training_microbatch_only():
     check = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"), every_anchor=True)
     first = lambda mb: int((mb.anchors - mb.packed.doc_start[mb.anchors]).min())  # noqa: E731
     assert first(step) == 2 and first(check) == 20 // 3
-    with pytest.raises(ConfigError, match="objective.labels: greedy"):
-        load_recipe("recipes/smollm2-135m-demo.yaml", ["objective.positions=all", "objective.labels=dataset"])
+    mixed = load_recipe("recipes/smollm2-135m-demo.yaml", ["objective.positions=all", "objective.labels=dataset",
+                                                           "objective.anchors_per_document=1000"]).recipe
+    both = _microbatch(mixed, Rows(docs), [7, 9], 0, torch.device("cpu"))
+    assert torch.equal(both.anchors, step.anchors)
+    slot = both.anchors[:, None] + torch.arange(4)
+    on_answer = torch.cat([d.loss_mask for d in docs.values()])[slot.clamp(max=50)] & (both.labels != IGNORE)
+    on_prompt = ~on_answer & (both.labels != IGNORE)
+    assert int(on_answer.sum()) > 50 and int(on_prompt.sum()) > 20
+    assert torch.equal(both.labels[on_answer], both.packed.input_ids[slot[on_answer]])  # the dataset's tokens
+    assert torch.equal(both.labels[on_prompt], step.labels[on_prompt])  # the target's, as with greedy labels

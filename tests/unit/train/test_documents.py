@@ -281,3 +281,37 @@ def test_source_balance_weighs_every_source_by_as_many_rows():
     assert sum(weights[i] for i in range(6)) == pytest.approx(sum(weights[i] for i in (6, 7)))
     assert sum(weights.values()) == pytest.approx(8) and 8 not in weights
     assert source_balance([0, 1], None) is None
+
+
+def test_dataset_labels_with_the_prompts_positions_pick_a_cache_that_serves_them(tmp_path, train_tiny_target,
+                                                                                 train_prepared):
+    """Decision: dataset labels with the prompts' positions (greedy="prompts") over a draft-vocabulary teacher
+    read the first complete cache that holds the argmax at the prompts' positions; where none does they write
+    one, into the plain folder when it is free and `<name>-prompts` beside a lean one. Greedy labels then still
+    get a cache with every argmax."""
+    from dflash_train.features.extract import vocab_tag
+    from dflash_train.train.documents import offline_cache
+    from dflash_train.train.recipe import DataConfig
+
+    vocab, layers = torch.arange(0, 64, 3), [1, 3, 5]
+    plain = f"features-1-3-5-top4-v{vocab_tag(vocab)}"
+
+    def cache(root, greedy):
+        data = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path / root))
+        return offline_cache(data, str(train_tiny_target), train_prepared, layers, topk=4, greedy=greedy,
+                             topk_vocab=vocab)
+
+    first = cache("fresh", "prompts")  # nothing yet: the plain folder, with the argmax where the prompts need it
+    assert first.path.name == plain and first.manifest["greedy_next"] == "prompts"
+    assert cache("fresh", False).path == first.path  # dataset labels on the answers read it too
+    every = cache("fresh", True)
+    assert every.path.name == f"{plain}-greedy" and every.manifest["greedy_next"] is True
+    assert cache("fresh", "prompts").path == first.path
+
+    lean = cache("lean", False)
+    beside = cache("lean", "prompts")
+    assert beside.path.name == f"{plain}-prompts" and lean.manifest["greedy_next"] is False
+    d, e = beside.document(1), lean.document(1)
+    assert torch.equal(d.features, e.features) and bool((d.greedy_next >= 0).any())
+    cache("lean", True)
+    assert cache("lean", "prompts").path.name == f"{plain}-greedy"  # every argmax serves them: the first that does

@@ -91,3 +91,42 @@ eval: {{enabled: false}}
     assert val[-1] < val[0], val  # the same held-out rows and anchors each time
     draft = load_drafter(out / "final", target_config=smollm2[0].config)
     assert draft.config.draft_vocab_size == 512 and draft.lm_head.weight.shape[0] == 512
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_dataset_labels_with_the_prompts_positions_train_from_a_cache_with_the_prompts_argmax(tmp_path, smollm2_path):
+    """`objective.labels: dataset` with `objective.positions: all` over a draft-vocabulary teacher and offline
+    features: the data cache's feature folder holds the target's argmax at the prompts' positions only, and the run
+    trains on it (the KL falls) and writes a drafter."""
+    from conftest import make_train_prepared
+
+    from dflash_train.features.cache import FeatureCache
+
+    rows = make_train_prepared(tmp_path / "rows", smollm2_path, n=12)
+    recipe = tmp_path / "prompts.yaml"
+    recipe.write_text(f"""# target: SmolLM2 (embedded)
+data: {{prepared: {rows}, features: offline, holdout_fraction: 0.25, cache_dir: {tmp_path / "cache"}}}
+drafter: {{num_layers: 1, block_size: 4, mask_token_id: 16, draft_vocab_size: 512, train_lm_head: true}}
+objective: {{loss: kl, kl_teacher: draft_vocab, labels: dataset, positions: all, anchors_per_document: 32}}
+optim: {{lr: 3.0e-3, epochs: 50, warmup_ratio: 0.0, schedule: constant}}
+batch: {{tokens_per_microbatch: 512}}
+checkpoint: {{save_every: 100}}
+logging: {{log_every: 1, eval_every: 4, progress: false}}
+eval: {{enabled: false}}
+""")
+    out = tmp_path / "run"
+    res = subprocess.run([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out),
+                          "--max-steps", "8"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    [folder] = [p.parent for p in (tmp_path / "cache").rglob("manifest.json")]
+    cache = FeatureCache(folder)
+    assert cache.manifest["greedy_next"] == "prompts" and not folder.name.endswith(("-greedy", "-prompts"))
+    doc = cache.document(0)
+    answer_next = doc.loss_mask[1:].bool()
+    assert bool((doc.greedy_next[:-1][answer_next] == -1).all()) and bool((doc.greedy_next[:-1][~answer_next] >= 0).all())
+    state = json.loads((out / "checkpoints" / "step-000008" / "trainer_state" / "state.json").read_text())
+    train = [h["loss"] for h in state["history"] if h["split"] == "train"]
+    assert len(train) == 8 and sum(train[-2:]) < sum(train[:2]), train
+    assert (out / "final" / "config.json").is_file()

@@ -65,6 +65,12 @@ TOPK_KEYS = ("target_topk_ids", "target_topk_logp")
 NO_GREEDY = -1  # the greedy_next column of a cache written without the LM head
 
 
+def serves_greedy(held: bool | str, greedy: bool | str) -> bool:
+    """Whether a cache whose manifest's `greedy_next` reads `held` gives a reader asking for `greedy` its greedy
+    tokens: every position's (True) serves every reader, the prompts' alone ("prompts") those asking for them."""
+    return not greedy or held is True or (greedy == "prompts" and held == "prompts")
+
+
 def outside_answers(masks: list[torch.Tensor], width: int) -> torch.Tensor:
     """[B, width] bool: the positions of right-padded rows whose next token is outside the loss mask (the
     template's and the prompts' tokens), where `greedy="prompts"` needs the target's argmax. A position whose
@@ -300,7 +306,7 @@ class FeatureCache:
             raise DataError(f"{self.path}: features were computed by the target in {m['target_dtype']}, but "
                             f"data.target_dtype asks for {target_dtype}; set data.target_dtype: {m['target_dtype']} "
                             "or point data.feature_cache at another folder")
-        if greedy and m["greedy_next"] is not True and not (greedy == "prompts" and m["greedy_next"] == "prompts"):
+        if not serves_greedy(m["greedy_next"], greedy):
             held = ("only at the prompts' positions (written for dataset labels with objective.positions: all)"
                     if m["greedy_next"] == "prompts" else "nowhere (written for objective.labels: dataset)")
             need = ("objective.positions: all needs them at the prompts' positions" if greedy == "prompts"

@@ -182,8 +182,7 @@ def recipe_source(recipe: TrainRecipe, target_path: str, rows: TrainingRows, tar
     vocab = drafter.t2d.nonzero().squeeze(1).cpu() \
         if topk and o.kl_teacher == "draft_vocab" and drafter.config.reduced_vocab else None
     layers = drafter.config.target_layer_ids
-    # dataset labels with the prompts' positions need the target's argmax there alone
-    greedy = o.labels == "greedy" or ("prompts" if o.positions == "all" else False)
+    greedy = o.labels == "greedy" or ("prompts" if o.positions == "all" else False)  # the prompts' argmax alone
     cache = offline_cache(data, target_path, rows.path, layers, topk, greedy=greedy,
                           topk_vocab=vocab) if data.features == "offline" else None
     return DocumentSource(rows.rows, data.features, target_model, layers, cache, topk=topk,
@@ -394,20 +393,20 @@ def cache_complete(path: Path) -> bool:
 
 def _serves(manifest: dict, greedy: bool | str) -> bool:
     """Whether a feature cache with this manifest is complete and holds the greedy tokens `greedy` asks for."""
-    held = manifest.get("greedy_next", True)
-    return bool(manifest.get("complete")) and (not greedy or held is True or (greedy == "prompts" and held == greedy))
+    from dflash_train.features.cache import serves_greedy
+
+    return bool(manifest.get("complete")) and serves_greedy(manifest.get("greedy_next", True), greedy)
 
 
 def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None,
                   greedy: bool | str = True, topk_vocab: torch.Tensor | None = None):
-    """The data stage's FeatureCache for these rows and layer ids (written once if missing); with
-    `topk` (the kl loss) its shards must hold at least k top-k log-probs per token, over the sorted target
-    ids `topk_vocab` when given (a folder of its own per vocabulary). `greedy=False`
-    (dataset labels): a cache with the greedy tokens is used when one is complete, else one is
-    written without them (no LM head in the target's forward) into a folder of its own. A draft-vocabulary
-    teacher's cache is named for the first labelling that wrote it; the others then get `<name>-greedy`
+    """The data stage's FeatureCache for these rows and layer ids (written once if missing); with `topk` (the kl
+    loss) its shards must hold at least k top-k log-probs per token, over the sorted target ids `topk_vocab` when
+    given (a folder of its own per vocabulary). `greedy=False` (dataset labels): a cache with the greedy tokens is
+    used when one is complete, else one is written without them (no LM head) into a folder of its own. A
+    draft-vocabulary teacher's cache is named for the first labelling that wrote it; the others get `<name>-greedy`
     (greedy labels) or `<name>-prompts` (`greedy="prompts"`: dataset labels with the prompts' positions, the
-    target's argmax at the prompts' positions only), unless a complete one already holds what they need."""
+    target's argmax there only), unless a complete one already holds what they need."""
     try:
         from dflash_train.features.cache import FeatureCache, write_feature_cache
     except ImportError as exc:

@@ -9,6 +9,13 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
+# the rest of a recipe for a short run on a dozen rows: a constant rate, a step per log, a check every 4 steps
+SHORT_RUN = """optim: {lr: 3.0e-3, epochs: 50, warmup_ratio: 0.0, schedule: constant}
+batch: {tokens_per_microbatch: 512}
+checkpoint: {save_every: 100}
+logging: {log_every: 1, eval_every: 4, progress: false}
+eval: {enabled: false}
+"""
 
 
 @pytest.mark.e2e
@@ -70,12 +77,7 @@ def test_kl_to_the_targets_topk_trains_a_reduced_vocab_drafter(tmp_path, smollm2
 data: {{prepared: {rows}, features: memory, holdout_fraction: 0.25}}
 drafter: {{num_layers: 1, block_size: 8, mask_token_id: 16, draft_vocab_size: 512}}
 objective: {{anchors_per_document: 32, logits_chunk: 256}}
-optim: {{lr: 3.0e-3, epochs: 50, warmup_ratio: 0.0, schedule: constant}}
-batch: {{tokens_per_microbatch: 512}}
-checkpoint: {{save_every: 100}}
-logging: {{log_every: 1, eval_every: 4, progress: false}}
-eval: {{enabled: false}}
-""")
+{SHORT_RUN}""")
     out = tmp_path / "run"
     res = subprocess.run([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out),
                           "--max-steps", "12", "--set", "objective.loss=kl", "--set", "objective.kl_topk=32",
@@ -109,12 +111,7 @@ def test_dataset_labels_with_the_prompts_positions_train_from_a_cache_with_the_p
 data: {{prepared: {rows}, features: offline, holdout_fraction: 0.25, cache_dir: {tmp_path / "cache"}}}
 drafter: {{num_layers: 1, block_size: 4, mask_token_id: 16, draft_vocab_size: 512, train_lm_head: true}}
 objective: {{loss: kl, kl_teacher: draft_vocab, labels: dataset, positions: all, anchors_per_document: 32}}
-optim: {{lr: 3.0e-3, epochs: 50, warmup_ratio: 0.0, schedule: constant}}
-batch: {{tokens_per_microbatch: 512}}
-checkpoint: {{save_every: 100}}
-logging: {{log_every: 1, eval_every: 4, progress: false}}
-eval: {{enabled: false}}
-""")
+{SHORT_RUN}""")
     out = tmp_path / "run"
     res = subprocess.run([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out),
                           "--max-steps", "8"], capture_output=True, text=True, timeout=600,

@@ -115,6 +115,7 @@ def main() -> None:
     from dflash_train.train.documents import prepared_rows, recipe_source, source_balance, training_rows
     from dflash_train.train.engine import World, lr_lambda
     from dflash_train.train.loop import StepPlan
+    from dflash_train.train.optimizer import decay_groups
     from dflash_train.train.recipe import load_recipe
 
     resolved_yaml = args.run / "resolved_config.yaml"
@@ -156,8 +157,8 @@ def main() -> None:
                               attention_backend="sdpa", num_anchors=o.anchors_per_document,
                               loss_decay_gamma=gamma, loss_type=args.loss)
     params = [p for p in model.draft_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
-                            weight_decay=recipe.optim.weight_decay)
+    opt = torch.optim.AdamW(decay_groups(params, recipe.optim.weight_decay, recipe.optim.weight_decay_on),
+                            lr=recipe.optim.lr, betas=tuple(recipe.optim.betas), weight_decay=recipe.optim.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, recipe.optim.warmup_ratio, recipe.optim.schedule,
                                                              recipe.optim.min_lr_ratio))
     args.output.mkdir(parents=True, exist_ok=True)

@@ -156,7 +156,7 @@ def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
     """(engine, scheduler). The scheduler steps once per optimizer step, inside engine.step()."""
     import deepspeed
 
-    from dflash_train.train.optimizer import build_optimizer
+    from dflash_train.train.optimizer import build_optimizer, decay_groups
 
     params = [p for p in model.parameters() if p.requires_grad]
     o = recipe.optim
@@ -164,7 +164,8 @@ def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
     own, bf16 = own_step(recipe), use_bf16(recipe)
     if recipe.engine.optimizer == "torch":  # masters are taken from the fp32 weights, before any cast
         optimizer = build_optimizer(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
-                                    grad_clip=o.grad_clip, own_step=own, fp32_masters=own and bf16)
+                                    grad_clip=o.grad_clip, own_step=own, fp32_masters=own and bf16,
+                                    decay_on=o.weight_decay_on)
     if own and bf16:  # what DeepSpeed's bf16 mode does to the module: the weights, not the fp32 buffers
         for p in model.parameters():
             if p.dtype.is_floating_point:
@@ -174,8 +175,10 @@ def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
     def make_scheduler(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, scheduler_fn)
 
+    # DeepSpeed's own AdamW (engine.optimizer: deepspeed) takes the decay's groups from the parameters it is given
+    groups = params if optimizer is not None else decay_groups(params, o.weight_decay, o.weight_decay_on)
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=params, optimizer=optimizer, config=deepspeed_config(recipe),
+        model=model, model_parameters=groups, optimizer=optimizer, config=deepspeed_config(recipe),
         lr_scheduler=make_scheduler, dist_init_required=False)
     if engine.zero_optimization_stage() == 0 and engine.dp_world_size == 1:
         # one rank has nothing to reduce, but DeepSpeed still flattens every gradient into one buffer after the

@@ -27,6 +27,19 @@ from collections.abc import Iterable
 import torch
 
 FUSED_DEVICES = ("cuda", "cpu")  # torch's fused AdamW kernels (CUDA since 2.0, CPU since 2.4)
+DECAY_ON = ("matrices", "all")
+
+
+def decay_groups(params: list[torch.Tensor], weight_decay: float, decay_on: str = "matrices") -> list[dict]:
+    """torch parameter groups for AdamW: `matrices` decays the tensors of two or more dimensions (linear and
+    embedding weights) and not the norms' gains or biases; `all` decays every tensor. Empty groups are left out."""
+    if decay_on not in DECAY_ON:
+        raise ValueError(f"optim.weight_decay_on is {decay_on!r}; use one of {', '.join(DECAY_ON)}")
+    if decay_on == "all" or weight_decay == 0:
+        return [{"params": list(params), "weight_decay": weight_decay}]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def fused_for(params: list[torch.Tensor]) -> bool:
@@ -38,17 +51,18 @@ class DeviceAdamW(torch.optim.AdamW):
     """AdamW on fp32 masters of `params` with the gradient clip computed on the device.
 
     `fp32_masters`: keep fp32 copies of the weights (taken now, before the caller casts the model to
-    bf16); otherwise the weights are stepped in place. `grad_clip` <= 0: no clipping."""
+    bf16); otherwise the weights are stepped in place. `grad_clip` <= 0: no clipping. `decay_on`: which
+    weights decay (`decay_groups`)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
-                 weight_decay: float, grad_clip: float, fp32_masters: bool):
+                 weight_decay: float, grad_clip: float, fp32_masters: bool, decay_on: str = "matrices"):
         self.model_params = [p for p in params if p.requires_grad]
         self.separate = fp32_masters
         masters = ([torch.nn.Parameter(p.detach().float().clone()) for p in self.model_params] if fp32_masters
                    else self.model_params)
         fused = fused_for(masters)
-        super().__init__(masters, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None,
-                         foreach=None if fused else True)
+        super().__init__(decay_groups(masters, weight_decay, decay_on), lr=lr, betas=betas, weight_decay=weight_decay,
+                         fused=fused or None, foreach=None if fused else True)
         self.masters = masters
         self.grad_clip = float(grad_clip)
         self._global_grad_norm = None  # DeepSpeed copies it to engine._global_grad_norm (a device tensor)
@@ -122,11 +136,13 @@ class DeviceAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
-                    weight_decay: float, grad_clip: float, own_step: bool, fp32_masters: bool):
+                    weight_decay: float, grad_clip: float, own_step: bool, fp32_masters: bool,
+                    decay_on: str = "matrices"):
     """`own_step` (no ZeRO): a DeviceAdamW that clips on the device. Otherwise torch's AdamW for
     DeepSpeed's ZeRO optimizers to wrap (fused on CUDA; they clip themselves)."""
     if own_step:
         return DeviceAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
-                           fp32_masters=fp32_masters)
+                           fp32_masters=fp32_masters, decay_on=decay_on)
     fused = torch.cuda.is_available() and fused_for(params)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
+    return torch.optim.AdamW(decay_groups(params, weight_decay, decay_on), lr=lr, betas=betas,
+                             weight_decay=weight_decay, fused=fused or None)

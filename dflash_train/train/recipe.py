@@ -202,6 +202,9 @@ class ObjectiveConfig(_Section):
 class OptimConfig(_Section):
     lr: float = Field(6e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    # which weights decay: matrices (the linear layers' and the head's weights; not the norms' gains or biases,
+    # the convention of GPT-2/nanoGPT and transformers' Trainer), or all of them
+    weight_decay_on: Literal["matrices", "all"] = "matrices"
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"

@@ -253,3 +253,67 @@ def test_the_process_group_is_torn_down_before_the_interpreter_exits():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["world", "1", "True", "group", "alive", "at", "exit:", "False"], out.stdout
+
+
+def _matrix_and_gain():
+    """A weight matrix and a norm's gain, both at 1, with zero gradients: AdamW's step is then the decay
+    alone, p <- p * (1 - lr * weight_decay)."""
+    params = [torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(3))]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    return params
+
+
+@pytest.mark.parametrize("build", ["device", "device-masters", "zero"])
+@pytest.mark.parametrize("decay_on", ["matrices", "all"])
+def test_weight_decay_on_matrices_leaves_the_norms_gains_alone(build, decay_on):
+    params = _matrix_and_gain()
+    kw = dict(lr=0.5, betas=(0.9, 0.95), weight_decay=0.2, grad_clip=1.0, decay_on=decay_on)
+    if build == "zero":  # torch's AdamW, for DeepSpeed's ZeRO optimizers to wrap
+        opt = build_optimizer(params, own_step=False, fp32_masters=False, **kw)
+    else:
+        opt = build_optimizer(params, own_step=True, fp32_masters=build == "device-masters", **kw)
+    opt.step()
+    matrix, gain = params
+    torch.testing.assert_close(matrix, torch.full((4, 3), 0.9), rtol=0, atol=1e-6)
+    torch.testing.assert_close(gain, torch.full((3,), 0.9 if decay_on == "all" else 1.0), rtol=0, atol=1e-6)
+
+
+def test_weight_decay_on_names_the_field_when_unknown():
+    with pytest.raises(ValueError, match="optim.weight_decay_on is 'norms'"):
+        build_optimizer(_matrix_and_gain(), lr=1, betas=(0.9, 0.9), weight_decay=0.1, grad_clip=1,
+                        own_step=True, fp32_masters=False, decay_on="norms")
+    from dflash_train.errors import ConfigError
+    from dflash_train.train.recipe import load_recipe
+    with pytest.raises(ConfigError, match="optim.weight_decay_on"):
+        load_recipe(None, base={"data": {"prepared": "rows"}, "optim": {"weight_decay_on": "norms"}})
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "deepspeed"])
+def test_the_engine_decays_the_drafters_matrices_and_not_its_norms(optimizer):
+    """A real DeepSpeed engine over a real drafter: its optimizer decays every weight of two or more dimensions
+    (the layers' projections, the trained head) and none of the norms' gains; the recipe's `all` decays both."""
+    from dflash_train.model.config import DFlashConfig
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.train.engine import build_engine, init_distributed
+    from dflash_train.train.recipe import load_recipe
+
+    init_distributed()
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=300, draft_vocab_size=300, target_hidden_size=64,
+                       num_target_layers=8, aux_hidden_state_layer_ids=[2, 5], block_size=4, mask_token_id=299,
+                       dtype="float32")
+    for decay_on in ("matrices", "all"):
+        model = DFlashDraftModel(cfg)
+        model.init_weights(seed=0)
+        recipe = load_recipe(None, base={"data": {"prepared": "rows"}, "engine": {"precision": "fp32",
+                                                                                  "optimizer": optimizer},
+                                         "optim": {"weight_decay": 0.1, "weight_decay_on": decay_on}}).recipe
+        engine, _ = build_engine(model, recipe, 10)
+        decay = {id(p): g["weight_decay"] for g in engine.optimizer.param_groups for p in g["params"]}
+        names = {n: decay[id(p)] for n, p in model.named_parameters() if p.requires_grad}
+        norms = [n for n in names if "norm" in n]
+        matrices = [n for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+        assert norms and matrices and set(norms).isdisjoint(matrices)
+        assert all(names[n] == 0.1 for n in matrices)
+        assert all(names[n] == (0.1 if decay_on == "all" else 0.0) for n in norms), names

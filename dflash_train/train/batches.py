@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.data.packing import Document, PackedBatch, pack_documents, to_device
-from dflash_train.model.modeling_dflash import DFlashDraftModel, TrainLayout, train_layout
+from dflash_train.model.modeling_dflash import DFlashDraftModel
+from dflash_train.model.train_layout import TrainLayout, train_layout
 from dflash_train.train.anchors import (
     IGNORE,
     anchor_budget,

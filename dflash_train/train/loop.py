@@ -261,6 +261,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                f"they take more than {MEMORY_SHARE:.0%} of the GPU's free memory (each step copies its batch over)")
     lap("features")
     drafter.activation_checkpointing = recipe.engine.activation_checkpointing
+    drafter.set_dropout(recipe.objective.dropout)
     engine, scheduler = build_engine(drafter, recipe, plan.total)
     engine.module.attach_target(target_model)
     kernels = step_kernels(recipe, world.device, head_rows(engine.module))

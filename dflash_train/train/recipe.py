@@ -176,6 +176,9 @@ class ObjectiveConfig(_Section):
     # U(-x, x) times each feature layer's RMS added to the context features of training steps (EAGLE's noise;
     # the check reads them clean); 0: none
     feature_noise: float = Field(0.0, ge=0)
+    # dropout on each draft layer's attention and MLP outputs in training steps (the check and every engine read
+    # the layers whole); 0: none
+    dropout: float = Field(0.0, ge=0, lt=1)
     # answers: the loss mask's; all: also the prompts' after the template prefix all rows share, always on the
     # target's greedy tokens (with labels: dataset the answers keep the dataset's, and an offline cache computes the
     # target's whole head at the prompts' positions only; docs/training.md). The check (val/, fit/) stays on answers

@@ -8,7 +8,8 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash_train.model.flex import TILE, _flex_call, bucket, compiled_flex, query_bucket, training_block_mask
-from dflash_train.model.modeling_dflash import DFlashDraftModel, dense_training_mask, train_layout
+from dflash_train.model.modeling_dflash import DFlashDraftModel
+from dflash_train.model.train_layout import dense_training_mask, train_layout
 
 
 def _layout(lengths, anchors, block_size, device="cpu"):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from dflash_train.model.modeling_dflash import DFlashDraftModel, dense_training_mask, train_layout
+from dflash_train.model.modeling_dflash import DFlashDraftModel
+from dflash_train.model.train_layout import dense_training_mask, train_layout
 
 
 def _model(cfg, seed=0):
@@ -174,3 +175,41 @@ def test_full_vocab_drafter_stores_no_embedding_or_head(tiny_config):
     assert not any("embed" in n or "lm_head" in n for n in names)
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
             "layers.0.mlp.down_proj.weight", "layers.0.input_layernorm.weight"} <= names
+
+
+def test_dropout_acts_in_training_mode_only_and_recomputes_the_same_masks_under_checkpointing(tiny_config):
+    """objective.dropout: the residual branches are dropped in training mode only (eval mode, as every check,
+    decode and engine reads the drafter, equals the drafter without dropout), each training forward draws new
+    masks, and a layer recomputed in the backward (activation checkpointing) draws the forward's masks again."""
+    model = _model(tiny_config)
+    feats, ids, doc_start, positions = _packed(tiny_config, [37, 50])
+    anchors = torch.tensor([0, 5, 18, 37, 60])
+    layout = train_layout(anchors, doc_start[anchors], positions, tiny_config.block_size)
+    blocks = model.embed(model.block_ids(ids[anchors]))
+
+    def run(seed=0):
+        torch.manual_seed(seed)
+        return model.forward_train(feats, blocks, layout)
+
+    model.eval()
+    with torch.no_grad():
+        whole = run()
+        model.set_dropout(0.3)
+        assert torch.equal(run(), whole)
+        model.train()
+        dropped, again, other = run(), run(), run(seed=1)
+        model.set_dropout(0.0)
+        assert torch.equal(run(), whole)
+    assert torch.equal(dropped, again) and not torch.allclose(dropped, other)
+    assert float((dropped - whole).abs().max()) > 1e-2
+
+    model.set_dropout(0.3)
+    grads = []
+    for checkpointing in (False, True):
+        model.activation_checkpointing = checkpointing
+        model.zero_grad()
+        run(seed=2).pow(2).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6, msg=n)

@@ -5,7 +5,8 @@ import torch
 
 from dflash_train.data.packing import Document
 from dflash_train.model.config import DFlashConfig
-from dflash_train.model.modeling_dflash import DFlashDraftModel, dense_training_mask
+from dflash_train.model.modeling_dflash import DFlashDraftModel
+from dflash_train.model.train_layout import dense_training_mask
 from dflash_train.train.anchors import IGNORE, anchor_candidates
 from dflash_train.train.batches import build_microbatch, microbatch_loss, microbatch_predictions
 

@@ -92,6 +92,25 @@ def test_the_held_out_rows_follow_the_data_seed_not_the_run_seed(reference_run, 
 
 
 @pytest.mark.slow
+def test_the_recipes_dropout_reaches_the_training_step_and_not_the_check(reference_run, tmp_path):
+    """One step from the same initial weights: objective.dropout changes the step's loss (the forward it trains
+    on); the same weights checked on held-out rows (eval mode) give the same check with or without it."""
+    recipe, _ = reference_run
+    summaries = {}
+    for name, sets in (("plain", []), ("dropout", ["objective.dropout=0.5"])):
+        out = tmp_path / name
+        sets = [*sets, "optim.lr=1e-12"]  # the step leaves the weights as they were: the checks read the same drafter
+        res = _train(["--config", recipe, "--output", out, "--max-steps", "1", *[a for s in sets for a in ("--set", s)]])
+        assert res.returncode == 0, res.stderr[-3000:]
+        summaries[name] = json.loads((out / "summary.json").read_text())
+    plain, dropped = summaries["plain"], summaries["dropout"]
+    # near the start the drafter barely uses its layers: the masks move the loss by ~1.5e-4 of itself (1e-7: noise)
+    assert abs(dropped["train_loss"] - plain["train_loss"]) > 2e-5 * abs(plain["train_loss"])
+    assert dropped["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-6)
+    assert dropped["val_accept_len"] == pytest.approx(plain["val_accept_len"], rel=1e-6)
+
+
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(reference_run, tmp_path):
     recipe, ref = reference_run
     out = tmp_path / "killed"

@@ -126,8 +126,13 @@ def regenerate(data: Path = typer.Option(..., "--data", help="A prepared dataset
 
 
 @app.command("features")
-def features(data: Path = typer.Option(..., "--data", help="A prepared dataset folder."),
-             output: Path = typer.Option(..., "--output", help="Feature cache folder (resumable)."),
+def features(data: Optional[Path] = typer.Option(None, "--data", help="A prepared dataset folder."),
+             output: Optional[Path] = typer.Option(None, "--output", help="Feature cache folder (resumable)."),
+             config: Optional[Path] = typer.Option(None, "--config", help="Instead of --data and --output: write the "
+                                                   "cache this recipe's `train` reads (its rows prepared and "
+                                                   "regenerated first, its teacher, its labels' greedy tokens) into "
+                                                   "the data cache, where `train` finds it."),
+             overrides: list[str] = typer.Option([], "--set", help="With --config: override a recipe field."),
              target: Optional[str] = typer.Option(None, "--target", help=TARGET_HELP),
              layer_ids: Optional[list[str]] = typer.Option(None, "--layer-ids", help="z-lab target layer ids, "
                                                            "e.g. 1,8,14 or repeated (default: z-lab's choice of 5)."),
@@ -150,25 +155,42 @@ def features(data: Path = typer.Option(..., "--data", help="A prepared dataset f
     from dflash_train.errors import ConfigError
     from dflash_train.features.cache import FeatureCache, bytes_per_token, write_feature_cache
 
-    try:
-        ids = [int(x) for v in layer_ids or [] for x in v.replace(",", " ").split()]
-    except ValueError:
-        raise ConfigError(f"--layer-ids {layer_ids}: give integers, e.g. --layer-ids 1,8,14,20,27") from None
-    from dflash_train.output_lock import output_lock
+    if config is not None:
+        given = [flag for flag, value in (("--data", data), ("--output", output), ("--target", target),
+                                          ("--layer-ids", layer_ids), ("--topk", topk)) if value]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: not with --config, where the recipe says them (--set "
+                              "target=..., drafter.target_layer_ids=..., objective.kl_topk=...)")
+        from dflash_train.train.data_stage import recipe_feature_cache
+        from dflash_train.train.recipe import load_recipe
 
-    stats: dict = {}
-    with output_lock(output, "--output", "features"):
-        path = write_feature_cache(target, data, output, target_layer_ids=ids or None, batch_size=batch_size,
-                                   rows_per_shard=rows_per_shard, batch_tokens=batch_tokens, io_threads=io_threads,
-                                   stats=stats, topk=topk, target_dtype=target_dtype, greedy=greedy)
+        path, stats = recipe_feature_cache(load_recipe(config, list(overrides))).path, {}
+    elif data is None or output is None:
+        raise ConfigError("give --data (prepared rows) and --output (the cache folder), or --config (a recipe)")
+    elif overrides:
+        raise ConfigError("--set: only with --config (it overrides the recipe's fields)")
+    else:
+        try:
+            ids = [int(x) for v in layer_ids or [] for x in v.replace(",", " ").split()]
+        except ValueError:
+            raise ConfigError(f"--layer-ids {layer_ids}: give integers, e.g. --layer-ids 1,8,14,20,27") from None
+        from dflash_train.output_lock import output_lock
+
+        stats: dict = {}
+        with output_lock(output, "--output", "features"):
+            path = write_feature_cache(target, data, output, target_layer_ids=ids or None, batch_size=batch_size,
+                                       rows_per_shard=rows_per_shard, batch_tokens=batch_tokens,
+                                       io_threads=io_threads, stats=stats, topk=topk, target_dtype=target_dtype,
+                                       greedy=greedy)
     m = FeatureCache(path).manifest
     per_token = bytes_per_token(m["feature_dim"], m["dtype"], m["topk"])
+    greedy_note = {True: "", False: ", without greedy tokens", "prompts": ", greedy tokens at the prompts' positions"}
     typer.echo(f"wrote {path}: {m['num_rows']} rows, {m['num_tokens']} tokens, {len(m['shards'])} shards, "
                f"layers {m['target_layer_ids']} computed in {m.get('target_dtype', 'float32')}"
-               + ("" if m.get("greedy_next", True) else ", without greedy tokens")
-               + f"; {per_token * 1e6 / 1e9:.2f} GB per 1M tokens "
+               + greedy_note[m.get("greedy_next", True)] + f"; {per_token * 1e6 / 1e9:.2f} GB per 1M tokens "
                f"({len(m['target_layer_ids'])} layers x {m['hidden_size']} {m['dtype']} + 17 bytes of ids and mask"
-               + (f" + {6 * m['topk']} of top-{m['topk']} log-probs)" if m["topk"] else ")"))
+               + (f" + {6 * m['topk']} of top-{m['topk']} log-probs" if m["topk"] else "")
+               + (f" over the drafter's {m['topk_vocab'].split('-')[0]} ids)" if m.get("topk_vocab") else ")"))
     if stats.get("tokens"):
         typer.echo(f"computed {stats['tokens']} tokens in {stats['seconds']:.1f} s "
                    f"({stats['tokens'] / max(stats['seconds'], 1e-9):.0f} tokens/s); the forward waited "

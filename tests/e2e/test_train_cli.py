@@ -95,6 +95,17 @@ objective: {{anchors_per_document: 32, logits_chunk: 256}}
     assert draft.config.draft_vocab_size == 512 and draft.lm_head.weight.shape[0] == 512
 
 
+def _prompts_recipe(tmp_path, rows):
+    """Offline features over a 512-id draft vocabulary's teacher, dataset labels with the prompts' positions."""
+    recipe = tmp_path / "prompts.yaml"
+    recipe.write_text(f"""# target: SmolLM2 (embedded)
+data: {{prepared: {rows}, features: offline, holdout_fraction: 0.25, cache_dir: {tmp_path / "cache"}}}
+drafter: {{num_layers: 1, block_size: 4, mask_token_id: 16, draft_vocab_size: 512, train_lm_head: true}}
+objective: {{loss: kl, kl_teacher: draft_vocab, labels: dataset, positions: all, anchors_per_document: 32}}
+{SHORT_RUN}""")
+    return recipe
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_dataset_labels_with_the_prompts_positions_train_from_a_cache_with_the_prompts_argmax(tmp_path, smollm2_path):
@@ -105,13 +116,7 @@ def test_dataset_labels_with_the_prompts_positions_train_from_a_cache_with_the_p
 
     from dflash_train.features.cache import FeatureCache
 
-    rows = make_train_prepared(tmp_path / "rows", smollm2_path, n=12)
-    recipe = tmp_path / "prompts.yaml"
-    recipe.write_text(f"""# target: SmolLM2 (embedded)
-data: {{prepared: {rows}, features: offline, holdout_fraction: 0.25, cache_dir: {tmp_path / "cache"}}}
-drafter: {{num_layers: 1, block_size: 4, mask_token_id: 16, draft_vocab_size: 512, train_lm_head: true}}
-objective: {{loss: kl, kl_teacher: draft_vocab, labels: dataset, positions: all, anchors_per_document: 32}}
-{SHORT_RUN}""")
+    recipe = _prompts_recipe(tmp_path, make_train_prepared(tmp_path / "rows", smollm2_path, n=12))
     out = tmp_path / "run"
     res = subprocess.run([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out),
                           "--max-steps", "8"], capture_output=True, text=True, timeout=600,
@@ -127,3 +132,46 @@ objective: {{loss: kl, kl_teacher: draft_vocab, labels: dataset, positions: all,
     train = [h["loss"] for h in state["history"] if h["split"] == "train"]
     assert len(train) == 8 and sum(train[-2:]) < sum(train[:2]), train
     assert (out / "final" / "config.json").is_file()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_features_for_a_recipe_writes_the_cache_its_training_then_reads(tmp_path, smollm2_path):
+    """`dflash-train features --config`: the recipe's data stage alone writes the feature folder its `train` reads
+    (the teacher over the drafter's own 512 ids, the argmax at the prompts' positions only); the training that
+    follows writes no feature folder and leaves the shards as they were."""
+    from conftest import make_train_prepared
+
+    from dflash_train.features.cache import FeatureCache
+
+    recipe = _prompts_recipe(tmp_path, make_train_prepared(tmp_path / "rows", smollm2_path, n=12))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    res = subprocess.run([str(BIN / "dflash-train"), "features", "--config", str(recipe)], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    [folder] = [p.parent for p in (tmp_path / "cache").rglob("manifest.json")]
+    assert f"wrote {folder}" in res.stdout and "greedy tokens at the prompts' positions" in res.stdout
+    assert "over the drafter's 512 ids" in res.stdout, res.stdout
+    m = FeatureCache(folder).manifest
+    assert m["greedy_next"] == "prompts" and m["topk_vocab"].startswith("512-") and m["num_rows"] == 12
+    shards = {p: p.stat().st_mtime_ns for p in folder.rglob("*.safetensors")}
+    res = subprocess.run([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output",
+                          str(tmp_path / "run"), "--max-steps", "2"], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [p.parent for p in (tmp_path / "cache").rglob("manifest.json")] == [folder]
+    assert shards and {p: p.stat().st_mtime_ns for p in folder.rglob("*.safetensors")} == shards
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--config", "recipes/smollm2-135m-demo.yaml", "--data", "rows"], "--data: not with --config"),
+    (["--config", "recipes/smollm2-135m-demo.yaml", "--topk", "8"], "--topk: not with --config"),
+    (["--data", "rows"], "give --data (prepared rows) and --output (the cache folder), or --config"),
+    (["--data", "rows", "--output", "cache", "--set", "seed=1"], "--set: only with --config"),
+    (["--config", "recipes/smollm2-135m-gpu.yaml"], "data.features is memory; only an offline cache is written ahead"),
+])
+def test_features_names_the_flags_that_do_not_go_together(args, needle):
+    res = subprocess.run([str(BIN / "dflash-train"), "features", *args], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]

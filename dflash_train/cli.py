@@ -157,10 +157,15 @@ def features(data: Optional[Path] = typer.Option(None, "--data", help="A prepare
 
     if config is not None:
         given = [flag for flag, value in (("--data", data), ("--output", output), ("--target", target),
-                                          ("--layer-ids", layer_ids), ("--topk", topk)) if value]
-        if given:
+                                          ("--layer-ids", layer_ids), ("--topk", topk), ("--batch-size", batch_size),
+                                          ("--batch-tokens", batch_tokens), ("--io-threads", io_threads),
+                                          ("--rows-per-shard", rows_per_shard != 256),
+                                          ("--target-dtype", target_dtype != "auto"), ("--no-greedy", not greedy))
+                 if value]
+        if given:  # the recipe decides them (or the cache writer's defaults do): refused, not silently ignored
             raise ConfigError(f"{', '.join(given)}: not with --config, where the recipe says them (--set "
-                              "target=..., drafter.target_layer_ids=..., objective.kl_topk=...)")
+                              "target=..., drafter.target_layer_ids=..., objective.kl_topk=..., "
+                              "data.target_dtype=..., objective.labels=...)")
         from dflash_train.train.data_stage import recipe_feature_cache
         from dflash_train.train.recipe import load_recipe
 

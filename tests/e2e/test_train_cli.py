@@ -167,6 +167,8 @@ def test_features_for_a_recipe_writes_the_cache_its_training_then_reads(tmp_path
 @pytest.mark.parametrize(("args", "needle"), [
     (["--config", "recipes/smollm2-135m-demo.yaml", "--data", "rows"], "--data: not with --config"),
     (["--config", "recipes/smollm2-135m-demo.yaml", "--topk", "8"], "--topk: not with --config"),
+    (["--config", "recipes/smollm2-135m-demo.yaml", "--target-dtype", "bfloat16", "--no-greedy"],
+     "--target-dtype, --no-greedy: not with --config"),
     (["--data", "rows"], "give --data (prepared rows) and --output (the cache folder), or --config"),
     (["--data", "rows", "--output", "cache", "--set", "seed=1"], "--set: only with --config"),
     (["--config", "recipes/smollm2-135m-gpu.yaml"], "data.features is memory; only an offline cache is written ahead"),

@@ -118,6 +118,12 @@ def run_stage(stage: Stage, log, prefix: str = "[demo]") -> None:
         code = proc.wait()
     except BaseException as exc:  # stopped (errors.Stopped carries the signal) or broken: the stages stop too
         stop_stages(getattr(exc, "signum", signal.SIGTERM))
+        # say which stage was cut: its output is not written, and the same command runs it again
+        kept = f"{stage.done} was not written" if stage.done is not None else "it wrote nothing to keep"
+        line = (f"{prefix} {stage.name:9s} stopped after {time.time() - t0:.0f}s ({type(exc).__name__}: {exc}): "
+                f"{kept}; the same command runs this stage again")
+        print(line, flush=True)
+        log.write(f"\n# {line}\n")
         raise
     finally:
         with _running_lock:

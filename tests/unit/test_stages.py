@@ -79,9 +79,12 @@ def test_a_stopped_pipeline_hands_the_signal_to_its_stage_once(tmp_path, to_grou
     wait_for(tmp_path / "train.pid")
     pid = int((tmp_path / "train.pid").read_text())
     (os.killpg if to_group else os.kill)(parent.pid, signum)
-    _, err = parent.communicate(timeout=60)
+    out, err = parent.communicate(timeout=60)
     assert parent.returncode == 128 + signum, err
     assert f"error: stopped by {signal.Signals(signum).name}" in err
+    # the pipeline names the stage it cut and says that the same command runs it again
+    cut = [line for line in out.splitlines() if line.startswith("[demo] train") and "stopped after" in line]
+    assert len(cut) == 1 and "the same command runs this stage again" in cut[0], out
     # the stage got the signal exactly once (a terminal's Ctrl-C reached only the pipeline), and has ended
     assert (tmp_path / "train.stopped").read_text() == signal.Signals(signum).name
     assert not alive(pid)

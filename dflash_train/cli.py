@@ -126,7 +126,8 @@ def regenerate(data: Path = typer.Option(..., "--data", help="A prepared dataset
 
 
 @app.command("features")
-def features(data: Optional[Path] = typer.Option(None, "--data", help="A prepared dataset folder."),
+def features(ctx: typer.Context,
+             data: Optional[Path] = typer.Option(None, "--data", help="A prepared dataset folder."),
              output: Optional[Path] = typer.Option(None, "--output", help="Feature cache folder (resumable)."),
              config: Optional[Path] = typer.Option(None, "--config", help="Instead of --data and --output: write the "
                                                    "cache this recipe's `train` reads (its rows prepared and "
@@ -156,13 +157,15 @@ def features(data: Optional[Path] = typer.Option(None, "--data", help="A prepare
     from dflash_train.features.cache import FeatureCache, bytes_per_token, write_feature_cache
 
     if config is not None:
-        given = [flag for flag, value in (("--data", data), ("--output", output), ("--target", target),
-                                          ("--layer-ids", layer_ids), ("--topk", topk), ("--batch-size", batch_size),
-                                          ("--batch-tokens", batch_tokens), ("--io-threads", io_threads),
-                                          ("--rows-per-shard", rows_per_shard != 256),
-                                          ("--target-dtype", target_dtype != "auto"), ("--no-greedy", not greedy))
-                 if value]
-        if given:  # the recipe decides them (or the cache writer's defaults do): refused, not silently ignored
+        # every writer flag given on the command line (the recipe decides them, or the cache writer's defaults do):
+        # refused, not silently ignored
+        given = [flag for name, flag in (("data", "--data"), ("output", "--output"), ("target", "--target"),
+                                         ("layer_ids", "--layer-ids"), ("topk", "--topk"),
+                                         ("batch_size", "--batch-size"), ("batch_tokens", "--batch-tokens"),
+                                         ("io_threads", "--io-threads"), ("rows_per_shard", "--rows-per-shard"),
+                                         ("target_dtype", "--target-dtype"), ("greedy", "--no-greedy"))
+                 if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]  # typer's own click
+        if given:
             raise ConfigError(f"{', '.join(given)}: not with --config, where the recipe says them (--set "
                               "target=..., drafter.target_layer_ids=..., objective.kl_topk=..., "
                               "data.target_dtype=..., objective.labels=...)")

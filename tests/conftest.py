@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 
 import pytest
 import torch
@@ -10,6 +12,25 @@ import torch
 # `auto` dtypes pick bfloat16 on CPUs with bf16 instructions (machine.auto_dtype): the suite's expected
 # numbers are float32's on every CPU, so it pins the pick (its own tests of the rule unset this)
 os.environ["DFLASH_AUTO_DTYPE"] = "float32"
+
+# under pytest-xdist each worker (and every command it starts) gets its share of the cores: two workers each
+# running torch on every core spin against each other
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# the session fixtures that all workers share (built_once below): their users run first, on one worker
+SHARED_FIXTURES = {"accepting_run", "accepting_eval"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: --dist worksteal), the users of a shared build first, then the slow tests,
+    then the rest: an idle worker steals from the end of the other's queue, so the run ends on short tests
+    instead of on a long one that started last."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: 0 if SHARED_FIXTURES & set(getattr(item, "fixturenames", ()))
+                   else 1 if item.get_closest_marker("slow") else 2)
 
 
 @pytest.fixture(scope="session")
@@ -233,38 +254,66 @@ def run_dflash_train(*args: str, timeout: float = 1800) -> tuple[str, float]:
     return done.stdout, time.monotonic() - started
 
 
+@contextlib.contextmanager
+def built_once(tmp_path_factory, name: str):
+    """(folder, record) for a session fixture that all pytest-xdist workers of a run share: the first worker to
+    ask builds into `folder` and writes `record` (a JSON file), the others wait on a lock and read it back. Without
+    xdist it is a plain session folder. A build that failed leaves no record, so the next asker builds again."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's base temp, shared by its workers
+    folder = base / name
+    with FileLock(str(folder) + ".lock"):
+        record = folder / "built.json"
+        if not record.is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+        yield folder, record
+
+
 @pytest.fixture(scope="session")
 def accepting_run(tmp_path_factory):
     """(run folder, {stage: seconds}) of the accepting drafter (see above)."""
     import json
 
-    tmp = tmp_path_factory.mktemp("accepting-run")
-    rows, regen, run = tmp / "rows", tmp / "regen", tmp / "run"
-    timings: dict[str, float] = {}
-    _, timings["prepare"] = run_dflash_train("prepare", "--data", "chitchat", "--max-samples", "256", "--max-turns",
-                                             "1", "--max-length", "256", "--output", str(rows))
-    _, timings["regenerate"] = run_dflash_train("regenerate", "--data", str(rows), "--output", str(regen),
-                                                "--max-new-tokens", str(ACCEPTING_MAX_NEW_TOKENS), "--batch-size",
-                                                "32")
-    recipe = tmp / "accepting.yaml"
-    recipe.write_text(ACCEPTING_RECIPE.format(rows=regen, steps=ACCEPTING_TRAIN_STEPS))
-    _, timings["train"] = run_dflash_train("train", "--config", str(recipe), "--output", str(run))
-    assert json.loads((run / "final" / "config.json").read_text())["draft_vocab_size"] == 1024
-    return run, timings
+    with built_once(tmp_path_factory, "accepting-run") as (tmp, record):
+        run = tmp / "run"
+        if record.is_file():
+            return run, json.loads(record.read_text())
+        rows, regen = tmp / "rows", tmp / "regen"
+        timings: dict[str, float] = {}
+        _, timings["prepare"] = run_dflash_train("prepare", "--data", "chitchat", "--max-samples", "256",
+                                                 "--max-turns", "1", "--max-length", "256", "--output", str(rows))
+        _, timings["regenerate"] = run_dflash_train("regenerate", "--data", str(rows), "--output", str(regen),
+                                                    "--max-new-tokens", str(ACCEPTING_MAX_NEW_TOKENS), "--batch-size",
+                                                    "32")
+        recipe = tmp / "accepting.yaml"
+        recipe.write_text(ACCEPTING_RECIPE.format(rows=regen, steps=ACCEPTING_TRAIN_STEPS))
+        _, timings["train"] = run_dflash_train("train", "--config", str(recipe), "--output", str(run))
+        assert json.loads((run / "final" / "config.json").read_text())["draft_vocab_size"] == 1024
+        record.write_text(json.dumps(timings))
+        return run, timings
 
 
 @pytest.fixture(scope="session")
-def accepting_eval(accepting_run):
+def accepting_eval(accepting_run, tmp_path_factory):
     """(eval report, its printed summary, {stage: seconds}) of `dflash-train eval` on the run's
     held-out prompts: greedy, float32, no speedup timing."""
     import json
 
     run, timings = accepting_run
-    path = run.parent / "eval.json"
-    stdout, seconds = run_dflash_train("eval", "--draft", str(run / "final"), "--prompts", str(run), "--num-prompts",
-                                  str(ACCEPTING_PROMPTS), "--max-new-tokens", str(ACCEPTING_MAX_NEW_TOKENS),
-                                  "--dtype", "float32", "--no-speedup", "--json", str(path))
-    return json.loads(path.read_text()), stdout, {**timings, "eval": seconds}
+    with built_once(tmp_path_factory, "accepting-eval") as (tmp, record):
+        path = tmp / "eval.json"
+        if not record.is_file():
+            stdout, seconds = run_dflash_train("eval", "--draft", str(run / "final"), "--prompts", str(run),
+                                               "--num-prompts", str(ACCEPTING_PROMPTS), "--max-new-tokens",
+                                               str(ACCEPTING_MAX_NEW_TOKENS), "--dtype", "float32", "--no-speedup",
+                                               "--json", str(path))
+            record.write_text(json.dumps({"stdout": stdout, "seconds": seconds}))
+        printed = json.loads(record.read_text())
+        return json.loads(path.read_text()), printed["stdout"], {**timings, "eval": printed["seconds"]}
 
 
 @pytest.fixture(scope="session")

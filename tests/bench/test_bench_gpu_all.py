@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "bench_gpu_all.py"
 
@@ -15,6 +17,7 @@ def part(name, code, max_s=30):
     return {"name": name, "argv": [sys.executable, "-c", code], "max_s": max_s}
 
 
+@pytest.mark.slow  # ~27 s: parts that hang until their timeouts
 def test_parts_fail_hang_and_run_out_of_time_without_losing_a_row(tmp_path):
     writes_a_row = "import sys, json; open(sys.argv[1], 'a').write(json.dumps({'step_ms': 57.4}) + '\\n'); print('3 passed')"
     plan = [dict(part("ok", writes_a_row), argv=[sys.executable, "-c", writes_a_row, "{rows}"]),

@@ -20,6 +20,7 @@ def run(*args, env=None):
                           env=None if env is None else {**os.environ, **env})
 
 
+@pytest.mark.slow  # ~26 s
 def test_prepare_then_features_then_errors(tmp_path):
     src = tmp_path / "chats.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"Count to {i}.", "response": " ".join(map(str, range(1, i + 2)))})

@@ -105,6 +105,7 @@ def _inputs(model, lengths, anchors, seed=0):
     return feats, model.embed(model.block_ids(ids[layout.anchors])), layout
 
 
+@pytest.mark.slow  # ~20 s: Inductor compiles each bucket
 def test_compiled_flex_forward_equals_dense_and_compiles_once_per_bucket(tiny_config):
     """The real compiled kernel (inductor, CPU; torch has no CPU flex backward, so forward only):
     three micro-batches of different lengths in one bucket compile once; a longer one once more."""

@@ -289,7 +289,7 @@ def test_weight_decay_on_names_the_field_when_unknown():
         load_recipe(None, base={"data": {"prepared": "rows"}, "optim": {"weight_decay_on": "norms"}})
 
 
-@pytest.mark.parametrize("optimizer", ["torch", "deepspeed"])
+@pytest.mark.parametrize("optimizer", ["torch", pytest.param("deepspeed", marks=pytest.mark.slow)])  # builds an op
 def test_the_engine_decays_the_drafters_matrices_and_not_its_norms(optimizer):
     """A real DeepSpeed engine over a real drafter: its optimizer decays every weight of two or more dimensions
     (the layers' projections, the trained head) and none of the norms' gains; the recipe's `all` decays both."""

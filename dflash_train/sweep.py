@@ -134,7 +134,9 @@ def run_result(run: Path, variant: Variant, fraction: float, seconds: dict, seed
         "tau_by_source": {k: v["tau"] for k, v in (report.get("per_source") or {}).items()},
         "prompts": len(report.get("prompts", [])),
         "teacher_forced_at_decode_steps": tf.get("at_decode_steps"),
-        "train_seconds": summary.get("wall_time_s") or seconds.get("train"), "run": str(run),
+        "train_seconds": summary.get("wall_time_s") or seconds.get("train"),
+        # the steps alone: what a setting costs (train_seconds also holds the data stages the first run pays)
+        "steps_seconds": (summary.get("stage_seconds") or {}).get("steps"), "run": str(run),
         "eval": str(eval_path(run)) if report else None, "replay": replay_result(replay_path(run)),
     }
 
@@ -228,8 +230,18 @@ def _mean_and_range(values: list[float | None]) -> dict | None:
     return {"mean": sum(values) / len(values), "lo": min(values), "hi": max(values)}
 
 
+def _mean_difference(diffs: list[dict | None]) -> dict | None:
+    """The mean of independent paired differences (one a seed) and its standard error, sqrt(sum se^2) / n;
+    None unless every seed has one."""
+    if not diffs or any(d is None or d.get("se") is None for d in diffs):
+        return None
+    n = len(diffs)
+    return {"diff": sum(d["diff"] for d in diffs) / n, "se": sum(d["se"] ** 2 for d in diffs) ** 0.5 / n}
+
+
 def across_seeds(results: list[dict]) -> list[dict]:
-    """One entry per setting (variant and fraction): tau, per source, over its seeds (mean, lowest, highest)."""
+    """One entry per setting (variant and fraction): tau, per source, over its seeds (mean, lowest, highest), and
+    the mean of its paired differences to the baseline of each seed (`vs_baseline`, with `per_source`)."""
     groups: dict[tuple[str, float], list[dict]] = {}
     for r in results:
         groups.setdefault((r["variant"], r["fraction"]), []).append(r)
@@ -243,29 +255,48 @@ def across_seeds(results: list[dict]) -> list[dict]:
                      "replay_tau": _mean_and_range([(r.get("replay") or {}).get("tau") for r in runs]),
                      "replay_by_source": {s: _mean_and_range([(r.get("replay") or {}).get("by_source", {}).get(s)
                                                               for r in runs]) for s in replay_sources_of(runs)},
+                     "vs_baseline": _vs_baseline_over(runs),
+                     "steps_seconds": (_mean_and_range([r.get("steps_seconds") for r in runs]) or {}).get("mean"),
                      "train_seconds": sum(r["train_seconds"] or 0 for r in runs) / len(runs)})
     return rows
+
+
+def _vs_baseline_over(runs: list[dict]) -> dict | None:
+    vs = [(r.get("replay") or {}).get("vs_baseline") for r in runs]
+    mean = _mean_difference(vs)
+    if mean is not None:
+        sources = set.intersection(*(set(v.get("per_source", {})) for v in vs))
+        mean["per_source"] = {s: _mean_difference([v["per_source"][s] for v in vs]) for s in sorted(sources)}
+    return mean
 
 
 def _setting(r: dict) -> str:
     return r["variant"] + ("" if r["fraction"] == 1 else f" ({r['fraction']:g} of the rows)")
 
 
-def replay_cells(replay: dict | None) -> list[str]:
-    """`1.583 ± 0.054` and `+0.032 ± 0.016` (the paired difference to the baseline), `-` where missing."""
+def _diff(vs: dict | None) -> str:
+    """`+0.032 ± 0.016`: a paired difference and its standard error; `-` without one."""
+    return "-" if not vs else f"{vs['diff']:+.3f}" + ("" if vs.get("se") is None else f" ± {vs['se']:.3f}")
+
+
+def replay_cells(replay: dict | None, sources: list[str] = ()) -> list[str]:
+    """`1.583 ± 0.054`, `+0.032 ± 0.016` (the paired difference to the baseline), then each source's replayed tau
+    with its own paired difference (`1.914 (+0.054 ± 0.021)`); `-` where missing."""
     if not replay:
-        return ["-", "-"]
+        return ["-", "-", *["-" for _ in sources]]
     se = "" if replay["tau_se"] is None else f" ± {replay['tau_se']:.3f}"
     vs = replay.get("vs_baseline")
-    return [f"{replay['tau']:.3f}{se}",
-            "-" if not vs else f"{vs['diff']:+.3f}" + ("" if vs["se"] is None else f" ± {vs['se']:.3f}")]
+    per = (vs or {}).get("per_source", {})
+    return [f"{replay['tau']:.3f}{se}", _diff(vs),
+            *["-" if replay["by_source"].get(s) is None else f"{replay['by_source'][s]:.3f}"
+              + (f" ({_diff(per[s])})" if s in per else "") for s in sources]]
 
 
 def markdown_table(sweep: dict) -> str:
     """One row per run; with several seeds, a second table of each setting's mean and spread over its seeds."""
     results = sweep["runs"]
     sources, replayed = sources_of(results), replay_sources_of(results)
-    head = ["setting", "overrides", "train rows", "steps", "train min", "val accept len",
+    head = ["setting", "overrides", "train rows", "steps", "train min", "steps s", "val accept len",
             "the same on training rows", "tau (all)", *[f"tau {s}" for s in sources],
             "replayed tau ± se", "vs baseline (paired)", *[f"replayed {s}" for s in replayed]]
 
@@ -276,10 +307,9 @@ def markdown_table(sweep: dict) -> str:
     for r in results:
         name = _setting(r) + ("" if r.get("seed") is None else f", seed {r['seed']}")
         cells = [name, " ".join(f"`{o}`" for o in r["overrides"]) or "-", str(r["train_rows"]), str(r["steps"]),
-                 num(r["train_seconds"] and r["train_seconds"] / 60, "{:.1f}"), num(r["val_accept_len"]),
-                 num(r.get("fit_accept_len")), num(r["tau"]), *[num(r["tau_by_source"].get(s)) for s in sources],
-                 *replay_cells(r.get("replay")),
-                 *[num((r.get("replay") or {}).get("by_source", {}).get(s), "{:.3f}") for s in replayed]]
+                 num(r["train_seconds"] and r["train_seconds"] / 60, "{:.1f}"), num(r.get("steps_seconds"), "{:.0f}"),
+                 num(r["val_accept_len"]), num(r.get("fit_accept_len")), num(r["tau"]),
+                 *[num(r["tau_by_source"].get(s)) for s in sources], *replay_cells(r.get("replay"), replayed)]
         lines.append("| " + " | ".join(cells) + " |")
     if not any(r.get("seed") is not None for r in results):
         return "\n".join(lines) + "\n"
@@ -287,14 +317,21 @@ def markdown_table(sweep: dict) -> str:
     def spread(m: dict | None) -> str:
         return "-" if not m else f"{m['mean']:.3f} ({m['lo']:.3f}-{m['hi']:.3f})"
 
+    def by_source(g: dict, source: str) -> str:
+        vs = (g["vs_baseline"] or {}).get("per_source", {}).get(source)
+        return f", {_diff(vs)}" if vs else ""
+
     lines += ["", "Across seeds: mean (lowest-highest).", "",
-              "| " + " | ".join(["setting", "seeds", "train min", "tau (all)", *[f"tau {s}" for s in sources],
-                                 "replayed tau", *[f"replayed {s}" for s in replayed]]) + " |",
-              "|" + "---|" * (5 + len(sources) + len(replayed))]
+              "| " + " | ".join(["setting", "seeds", "train min", "steps s", "tau (all)",
+                                 *[f"tau {s}" for s in sources],
+                                 "replayed tau", "vs baseline (paired, mean)",
+                                 *[f"replayed {s}" for s in replayed]]) + " |",
+              "|" + "---|" * (7 + len(sources) + len(replayed))]
     for g in across_seeds(results):
         cells = [_setting(g), ", ".join(str(x) for x in g["seeds"]), f"{g['train_seconds'] / 60:.1f}",
-                 spread(g["tau"]), *[spread(g["tau_by_source"].get(s)) for s in sources], spread(g["replay_tau"]),
-                 *[spread(g["replay_by_source"].get(s)) for s in replayed]]
+                 "-" if g["steps_seconds"] is None else f"{g['steps_seconds']:.0f}", spread(g["tau"]),
+                 *[spread(g["tau_by_source"].get(s)) for s in sources], spread(g["replay_tau"]),
+                 _diff(g["vs_baseline"]), *[spread(g["replay_by_source"].get(s)) + by_source(g, s) for s in replayed]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

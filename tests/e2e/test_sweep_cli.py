@@ -141,11 +141,14 @@ def test_the_table_has_a_column_per_source(tmp_path):
     run = {"variant": "baseline", "overrides": [], "train_rows": 100, "steps": 40, "train_seconds": 90.0,
            "val_accept_len": 2.0, "fit_accept_len": 2.25, "tau": 1.5, "tau_by_source": {"chat": 1.75, "code": 1.25}}
     sweep = {"runs": [{**run, "fraction": 0.5}, {**run, "fraction": 1.0, "train_rows": 200, "tau": 1.9,
-                                                 "tau_by_source": {"chat": 2.0}}]}
+                                                 "tau_by_source": {"chat": 2.0}, "steps_seconds": 61.4}]}
     lines = markdown_table(sweep).splitlines()
-    assert lines[0] == ("| setting | overrides | train rows | steps | train min | val accept len "
+    assert lines[0] == ("| setting | overrides | train rows | steps | train min | steps s | val accept len "
                         "| the same on training rows | tau (all) | tau chat | tau code | replayed tau ± se | vs baseline (paired) |")
-    assert lines[2] == "| baseline (0.5 of the rows) | - | 100 | 40 | 1.5 | 2.00 | 2.25 | 1.50 | 1.75 | 1.25 | - | - |"
+    # a run recorded before the steps' seconds were: its cell is empty
+    assert lines[2] == ("| baseline (0.5 of the rows) | - | 100 | 40 | 1.5 | - | 2.00 | 2.25 | 1.50 | 1.75 | 1.25 "
+                        "| - | - |")
+    assert lines[3].startswith("| baseline | - | 200 | 40 | 1.5 | 61 | 2.00 |")
     assert lines[3].endswith("| 1.90 | 2.00 | - | - | - |")
     write_outputs(tmp_path, sweep)
     assert json.loads((tmp_path / "sweep.json").read_text()) == sweep
@@ -209,8 +212,9 @@ def test_the_table_reports_each_settings_mean_and_spread_over_seeds(tmp_path):
     assert groups[1]["tau_by_source"]["chat"]["hi"] == 2.0 and groups[0]["train_seconds"] == pytest.approx(660)
     lines = markdown_table({"runs": runs}).splitlines()
     assert lines[2].startswith("| baseline, seed 0 | - | 100 |")
-    assert "| baseline | 0, 1 | 11.0 | 1.550 (1.500-1.600) | 1.800 (1.750-1.850) | 1.300 (1.250-1.350) | - |" in lines
-    assert "| g2 | 0, 1 | 11.0 | 1.550 (1.400-1.700) | 1.800 (1.600-2.000) | 1.300 (1.200-1.400) | - |" in lines
+    assert "| baseline | 0, 1 | 11.0 | - | 1.550 (1.500-1.600) | 1.800 (1.750-1.850) | 1.300 (1.250-1.350) | - | - |" \
+        in lines
+    assert "| g2 | 0, 1 | 11.0 | - | 1.550 (1.400-1.700) | 1.800 (1.600-2.000) | 1.300 (1.200-1.400) | - | - |" in lines
     # one run per setting, no seeds: the table has no second part
     assert "Across seeds" not in markdown_table({"runs": [{**runs[0], "seed": None}]})
     write_outputs(tmp_path, {"runs": [*runs, *[{**r, "fraction": 0.5} for r in runs]]})
@@ -261,3 +265,43 @@ def test_each_run_is_compared_with_the_baseline_of_its_seed_on_the_same_rows(tmp
     assert f"| - | {rg0['tau']:.3f} ± {rg0['tau_se']:.3f} | {vs['diff']:+.3f} ± {vs['se']:.3f} |" in text
     assert across_seeds(bare)[0]["tau"] is None and "| g2 | 0, 1 | 1.0 | - | " in text
     assert replay_result(tmp_path / "missing.replay.json") is None
+
+
+def test_the_table_gives_each_sources_paired_difference_and_their_mean_over_seeds(tmp_path):
+    from dflash_train.eval.replay import paired_difference, tau_with_error
+    from dflash_train.sweep import across_seeds, against_baseline, markdown_table, replay_result
+
+    def run(variant, seed, steps, steps_seconds):
+        per_row = [{"row": i, "source": "chat" if i % 2 else "code", "tokens": 40, "steps": s}
+                   for i, s in enumerate(steps)]
+        body = {**tau_with_error(per_row), "per_row": per_row, "every_position": 1.8,
+                "per_source": {src: tau_with_error([r for r in per_row if r["source"] == src])
+                               for src in ("chat", "code")}}
+        path = tmp_path / f"{variant}-{seed}.replay.json"
+        path.write_text(json.dumps(body))
+        return {"variant": variant, "overrides": [], "fraction": 1.0, "seed": seed, "train_rows": 100, "steps": 40,
+                "train_seconds": 600.0, "steps_seconds": steps_seconds, "val_accept_len": 2.0, "fit_accept_len": 2.1,
+                "tau": None, "tau_by_source": {}, "replay": replay_result(path)}, body
+
+    (b0, rb0) = run("baseline", 0, [30, 20, 25, 35, 28, 24], 500)
+    (b1, rb1) = run("baseline", 1, [28, 22, 25, 33, 27, 26], 520)
+    (g0, rg0), (g1, rg1) = run("g2", 0, [26, 19, 25, 31, 27, 20], 610), run("g2", 1, [27, 21, 22, 30, 27, 25], 630)
+    results = [b0, b1, g0, g1]
+    against_baseline(results)
+    d0, d1 = paired_difference(rg0, rb0), paired_difference(rg1, rb1)
+    assert set(d0["per_source"]) == {"chat", "code"}
+    mean = across_seeds(results)[1]["vs_baseline"]
+    assert mean["diff"] == pytest.approx((d0["diff"] + d1["diff"]) / 2)
+    assert mean["se"] == pytest.approx((d0["se"] ** 2 + d1["se"] ** 2) ** 0.5 / 2)
+    chat = mean["per_source"]["chat"]
+    assert chat["diff"] == pytest.approx((d0["per_source"]["chat"]["diff"] + d1["per_source"]["chat"]["diff"]) / 2)
+    assert across_seeds(results)[0]["vs_baseline"] is None  # the baseline has no difference to itself
+    lines = markdown_table({"runs": results}).splitlines()
+    c0 = d0["per_source"]["chat"]
+    assert lines[4].startswith("| g2, seed 0 | - | 100 | 40 | 10.0 | 610 |")
+    assert lines[4].endswith(f"| {d0['diff']:+.3f} ± {d0['se']:.3f} | {rg0['per_source']['chat']['tau']:.3f} "
+                             f"({c0['diff']:+.3f} ± {c0['se']:.3f}) | {rg0['per_source']['code']['tau']:.3f} "
+                             f"({d0['per_source']['code']['diff']:+.3f} ± {d0['per_source']['code']['se']:.3f}) |")
+    g2 = next(line for line in lines if line.startswith("| g2 | 0, 1 |"))
+    assert g2.startswith("| g2 | 0, 1 | 10.0 | 620 | - |")
+    assert f"| {mean['diff']:+.3f} ± {mean['se']:.3f} |" in g2 and f", {chat['diff']:+.3f} ± {chat['se']:.3f} |" in g2

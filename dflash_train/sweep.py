@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_train.errors import ConfigError
+from dflash_train.errors import ConfigError, DataError
 from dflash_train.stages import Stage, command_path, run_stage
 from dflash_train.train.run_folder import trained_otherwise
 
@@ -153,7 +153,8 @@ def replay_result(path: Path) -> dict | None:
 
 def against_baseline(results: list[dict]) -> None:
     """Each run's replayed tau minus the baseline's of the same fraction and seed, paired over the rows
-    (`replay.vs_baseline`: diff and its standard error)."""
+    (`replay.vs_baseline`: diff and its standard error). A variant that changes the rows themselves (another
+    regeneration dtype, engine or length) replays other answers: it is not paired (`replay.unpaired` says why)."""
     from dflash_train.eval.replay import paired_difference
 
     base = {(r["fraction"], r["seed"]): r for r in results if r["variant"] == "baseline" and r.get("replay")}
@@ -161,7 +162,11 @@ def against_baseline(results: list[dict]) -> None:
         b = base.get((r["fraction"], r["seed"]))
         if r.get("replay") and b is not None and r is not b:
             reports = [json.loads(Path(x["replay"]["report"]).read_text()) for x in (r, b)]
-            r["replay"]["vs_baseline"] = paired_difference(*reports)
+            try:
+                r["replay"]["vs_baseline"] = paired_difference(*reports)
+            except DataError:
+                r["replay"]["unpaired"] = ("its held-out answers are not the baseline's (the variant changes "
+                                           "the rows): replay both drafters on one run's rows to pair them")
 
 
 def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list[str] | None = None,
@@ -287,7 +292,7 @@ def replay_cells(replay: dict | None, sources: list[str] = ()) -> list[str]:
     se = "" if replay["tau_se"] is None else f" ± {replay['tau_se']:.3f}"
     vs = replay.get("vs_baseline")
     per = (vs or {}).get("per_source", {})
-    return [f"{replay['tau']:.3f}{se}", _diff(vs),
+    return [f"{replay['tau']:.3f}{se}", "other rows" if replay.get("unpaired") else _diff(vs),
             *["-" if replay["by_source"].get(s) is None else f"{replay['by_source'][s]:.3f}"
               + (f" ({_diff(per[s])})" if s in per else "") for s in sources]]
 
@@ -311,6 +316,10 @@ def markdown_table(sweep: dict) -> str:
                  num(r["val_accept_len"]), num(r.get("fit_accept_len")), num(r["tau"]),
                  *[num(r["tau_by_source"].get(s)) for s in sources], *replay_cells(r.get("replay"), replayed)]
         lines.append("| " + " | ".join(cells) + " |")
+    if any((r.get("replay") or {}).get("unpaired") for r in results):
+        lines += ["", "other rows: the variant changes the held-out answers themselves (another regeneration), so "
+                  "its replay is not paired with the baseline's; replay both drafters on one run's rows "
+                  "(`dflash-train replay --draft A --rows B --baseline ...`) to pair them."]
     if not any(r.get("seed") is not None for r in results):
         return "\n".join(lines) + "\n"
 

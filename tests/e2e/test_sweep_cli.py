@@ -305,3 +305,29 @@ def test_the_table_gives_each_sources_paired_difference_and_their_mean_over_seed
     g2 = next(line for line in lines if line.startswith("| g2 | 0, 1 |"))
     assert g2.startswith("| g2 | 0, 1 | 10.0 | 620 | - |")
     assert f"| {mean['diff']:+.3f} ± {mean['se']:.3f} |" in g2 and f", {chat['diff']:+.3f} ± {chat['se']:.3f} |" in g2
+
+
+def test_a_variant_that_regenerates_other_answers_is_not_paired_and_the_table_is_still_written(tmp_path):
+    from dflash_train.eval.replay import tau_with_error
+    from dflash_train.sweep import across_seeds, against_baseline, markdown_table, replay_result, write_outputs
+
+    def run(variant, tokens):
+        per_row = [{"row": i, "source": "chat", "tokens": t, "steps": t // 2} for i, t in enumerate(tokens)]
+        body = {**tau_with_error(per_row), "per_row": per_row, "every_position": 1.8,
+                "per_source": {"chat": tau_with_error(per_row)}}
+        path = tmp_path / f"{variant}.replay.json"
+        path.write_text(json.dumps(body))
+        return {"variant": variant, "overrides": [], "fraction": 1.0, "seed": 0, "train_rows": 100, "steps": 40,
+                "train_seconds": 60.0, "val_accept_len": 2.0, "fit_accept_len": 2.1, "tau": None,
+                "tau_by_source": {}, "replay": replay_result(path)}
+
+    # the same held-out rows, but the fp32 variant regenerated them: other answer lengths
+    results = [run("baseline", [40, 30, 50]), run("fp32", [40, 36, 50]), run("lr", [40, 30, 50])]
+    against_baseline(results)  # before: DataError from paired_difference, and no table at all
+    assert "vs_baseline" not in results[1]["replay"] and "not the baseline's" in results[1]["replay"]["unpaired"]
+    assert results[2]["replay"]["vs_baseline"]["diff"] == pytest.approx(0.0)
+    assert across_seeds(results)[1]["vs_baseline"] is None
+    text = markdown_table({"runs": results})
+    assert "| 2.000 ± 0.000 | other rows | 2.000 |" in text and "other rows: the variant changes" in text
+    write_outputs(tmp_path, {"runs": results})
+    assert json.loads((tmp_path / "sweep.json").read_text())["runs"][1]["replay"]["unpaired"]

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_train.errors import DFlashError
+from dflash_train.errors import DFlashError, signals_held
 
 
 @dataclass
@@ -107,16 +107,22 @@ def run_stage(stage: Stage, log, prefix: str = "[demo]") -> None:
     log.write(f"\n$ {' '.join(stage.argv)}\n")
     log.flush()
     env = None if stage.threads is None else {**os.environ, "OMP_NUM_THREADS": str(stage.threads)}
-    proc = subprocess.Popen(stage.argv, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env,
-                            start_new_session=True)  # signals come through this process (`stop_stages`)
-    with _running_lock:
-        _running.add(proc)
+    proc = None
     try:
+        # a stop that lands between the start and the registration is handled once the stage is registered:
+        # before, the stage (in a session of its own) never heard of it and ran on, orphaned
+        with signals_held():
+            proc = subprocess.Popen(stage.argv, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env,
+                                    start_new_session=True)  # signals come through this process (`stop_stages`)
+            with _running_lock:
+                _running.add(proc)
         for line in proc.stdout:
             stage.output.append(line.rstrip("\n"))
             log.write(line)
         code = proc.wait()
     except BaseException as exc:  # stopped (errors.Stopped carries the signal) or broken: the stages stop too
+        if proc is None:  # it never started (no such command): nothing to stop or to say
+            raise
         stop_stages(getattr(exc, "signum", signal.SIGTERM))
         # say which stage was cut: its output is not written, and the same command runs it again
         kept = f"{stage.done} was not written" if stage.done is not None else "it wrote nothing to keep"
@@ -126,8 +132,9 @@ def run_stage(stage: Stage, log, prefix: str = "[demo]") -> None:
         log.write(f"\n# {line}\n")
         raise
     finally:
-        with _running_lock:
-            _running.discard(proc)
+        if proc is not None:
+            with _running_lock:
+                _running.discard(proc)
     stage.seconds = time.time() - t0
     if code not in stage.allowed_exit:
         tail = "\n".join(stage.output[-15:])

@@ -33,8 +33,12 @@ while True:
 
 # the pipeline: `run_cli` around run_stage (main) or the demo's lanes, as `dflash-train demo` / `sweep` run them
 PARENT = r"""
-import io, sys
+import io, signal, sys
 from pathlib import Path
+# as a terminal's shell starts it: a pytest started in the background (`make test &`, nohup) hands its children
+# SIGINT and SIGHUP ignored, which run_cli keeps ignored (nohup's meaning), and a Ctrl-C would then reach nothing
+for s in (signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, signal.SIG_DFL)
 import dflash_train.stages as stages
 from dflash_train.demo import run_lanes
 from dflash_train.errors import run_cli
@@ -43,6 +47,17 @@ folder, child, mode, grace = Path(sys.argv[1]), sys.argv[2], sys.argv[3], float(
 stages.GRACE_S = grace
 def stage(name, behaviour="stop"):
     return Stage(name, [sys.executable, "-c", child, str(folder / name), behaviour])
+if mode == "race":  # the stop lands after the stage has started, before the pipeline has registered it
+    import os, signal, subprocess, time
+    class Late(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            while not (folder / "train.pid").exists():
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)  # an unheld handler runs here, and the stage is never told
+    subprocess.Popen = Late
+    mode = "stop"
 if mode == "lanes":  # eval in the main lane, validate beside it
     convert = Stage("convert", [sys.executable, "-c", "pass"])
     run_cli(lambda: run_lanes([convert, stage("eval"), stage("validate")], io.StringIO(), [("validate",)]))
@@ -88,6 +103,21 @@ def test_a_stopped_pipeline_hands_the_signal_to_its_stage_once(tmp_path, to_grou
     # the stage got the signal exactly once (a terminal's Ctrl-C reached only the pipeline), and has ended
     assert (tmp_path / "train.stopped").read_text() == signal.Signals(signum).name
     assert not alive(pid)
+
+
+def test_a_stop_between_a_stages_start_and_its_registration_still_reaches_it(tmp_path):
+    # a signal there used to raise before the stage was registered: the stage, in a session of its own, never heard
+    # of it and ran on, orphaned, holding the pipeline's stderr (its caller hung on it)
+    parent = start(tmp_path, "race")
+    try:
+        _, err = parent.communicate(timeout=60)
+        assert parent.returncode == 128 + signal.SIGINT, err
+        assert (tmp_path / "train.stopped").read_text() == "SIGINT"
+        assert not alive(int((tmp_path / "train.pid").read_text()))
+    finally:
+        if (tmp_path / "train.pid").exists() and alive(pid := int((tmp_path / "train.pid").read_text())):
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()
 
 
 def test_a_stage_that_does_not_end_is_killed_after_the_grace_period(tmp_path):

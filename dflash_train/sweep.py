@@ -338,7 +338,7 @@ def markdown_table(sweep: dict) -> str:
               "|" + "---|" * (7 + len(sources) + len(replayed))]
     for g in across_seeds(results):
         cells = [_setting(g), ", ".join(str(x) for x in g["seeds"]), f"{g['train_seconds'] / 60:.1f}",
-                 "-" if g["steps_seconds"] is None else f"{g['steps_seconds']:.0f}", spread(g["tau"]),
+                 num(g["steps_seconds"], "{:.0f}"), spread(g["tau"]),
                  *[spread(g["tau_by_source"].get(s)) for s in sources], spread(g["replay_tau"]),
                  _diff(g["vs_baseline"]), *[spread(g["replay_by_source"].get(s)) + by_source(g, s) for s in replayed]]
         lines.append("| " + " | ".join(cells) + " |")

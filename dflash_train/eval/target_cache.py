@@ -51,7 +51,7 @@ class TargetCache:
             if not _recurrent(layer) and hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording()
         self.recurrent = [i for i, layer in enumerate(self.cache.layers) if _recurrent(layer)]
-        self._snapshot: dict[int, tuple[dict, dict]] | None = None
+        self._snapshot: dict[int, tuple[dict, dict, torch.Tensor | None]] | None = None
 
     def length(self) -> int:
         return self.cache.get_seq_length()
@@ -71,8 +71,12 @@ class TargetCache:
         self._snapshot = {}
         for i in self.recurrent:
             layer = self.cache.layers[i]
+            # transformers 5.25 counts a linear layer's tokens itself (`cumulative_length_linear`, what
+            # `get_seq_length` returns for it): it is part of the state a rejection puts back
+            count = getattr(layer, "cumulative_length_linear", None)
             self._snapshot[i] = ({k: None if v is None else v.clone() for k, v in layer.conv_states.items()},
-                                 {k: None if v is None else v.clone() for k, v in layer.recurrent_states.items()})
+                                 {k: None if v is None else v.clone() for k, v in layer.recurrent_states.items()},
+                                 None if count is None else count.clone())
 
     @torch.no_grad()
     def keep(self, target, fed: torch.Tensor, kept: int) -> None:
@@ -88,9 +92,11 @@ class TargetCache:
             raise RuntimeError("TargetCache.keep: call before_verify() before the verify forward")
         for layer_index, layer in enumerate(self.cache.layers):
             if layer_index in self._snapshot:
-                conv, rec = self._snapshot[layer_index]
+                conv, rec, count = self._snapshot[layer_index]
                 layer.conv_states.update(conv)
                 layer.recurrent_states.update(rec)
+                if count is not None:
+                    layer.cumulative_length_linear.copy_(count)
             if not _recurrent(layer) or hasattr(layer, "keys"):
                 _crop_kv(layer, fed.shape[1])
         self._snapshot = None

@@ -320,6 +320,8 @@ def replay(
                                                                             "block (default: trained)."),
         baseline: Optional[Path] = typer.Option(None, "--baseline", help="Another drafter's replay report (--json) "
                                                                          "on the same rows: the paired difference."),
+        dtype: str = typer.Option("float32", "--dtype", help="What the target and the drafter compute in: float32, "
+                                                             "bfloat16 or float16 (a bf16 server's verify)."),
         device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, ... (default: cpu)."),
         json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report (per row) here."),
         overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
@@ -329,7 +331,8 @@ def replay(
     from dflash_train.eval.replay import run_replay, summary_lines
 
     report = run_replay(draft, rows, target, max_rows, max_new_tokens, block_size, device,
-                        str(json_out) if json_out else None, str(baseline) if baseline else None, overwrite)
+                        str(json_out) if json_out else None, str(baseline) if baseline else None, overwrite,
+                        dtype=dtype)
     typer.echo(f"drafter {report['draft']} on {report['target']}")
     for line in summary_lines(report):
         typer.echo(line)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.errors import DataError
+from dflash_train.errors import ConfigError, DataError
 
 BOOTSTRAP_RESAMPLES = 2000
 
@@ -171,16 +171,19 @@ def paired_difference(a: dict, b: dict, resamples: int = BOOTSTRAP_RESAMPLES, se
 def run_replay(draft: str, rows: str, target: str | None = None, max_rows: int | None = None,
                max_new_tokens: int | None = None, block_size: int | None = None, device: str | None = None,
                json_out: str | None = None, baseline: str | None = None, overwrite: bool = False,
-               progress: bool = True) -> dict:
-    """`dflash-train replay`: load the drafter (any format, or a run folder) and the target in float32,
-    replay the held-out rows, compare with a `baseline` replay report when given, write `json_out`."""
+               progress: bool = True, dtype: str = "float32") -> dict:
+    """`dflash-train replay`: load the drafter (any format, or a run folder) and the target in `dtype`
+    (float32 by default: what the eval's lossless check uses), replay the held-out rows, compare with a
+    `baseline` replay report when given, write `json_out`."""
     from dflash_train.eval.report import write_report_json
     from dflash_train.eval.run import check_device, resolve_drafter_dir
     from dflash_train.eval.spec_decode import check_block_size
-    from dflash_train.model.checkpoint import load_drafter
+    from dflash_train.model.checkpoint import DTYPES, load_drafter
     from dflash_train.outputs import plan_output
     from dflash_train.target import load_target, load_target_config, load_tokenizer, resolve_target
 
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     check_device(device)
     draft_dir = resolve_drafter_dir(draft)
     if json_out:
@@ -189,14 +192,14 @@ def run_replay(draft: str, rows: str, target: str | None = None, max_rows: int |
     base = read_replay(baseline) if baseline else None
     held = load_heldout_rows(rows, max_rows, max_new_tokens)
     target_path = resolve_target(target)
-    drafter = load_drafter(draft_dir, target_config=load_target_config(target_path), dtype=torch.float32,
+    drafter = load_drafter(draft_dir, target_config=load_target_config(target_path), dtype=DTYPES[dtype],
                            tokenizer=load_tokenizer(target_path), what="--draft")
-    target_model, _ = load_target(target_path, dtype=torch.float32, device=device)
+    target_model, _ = load_target(target_path, dtype=DTYPES[dtype], device=device)
     drafter.to(next(target_model.parameters()).device).eval().attach_target(target_model)
     b = check_block_size(drafter, block_size)
     report = replay(drafter, target_model, held, b, progress=progress)
     report.update(draft=str(draft_dir), target=target_path, rows_file=str(rows),
-                  settings={"max_rows": max_rows, "max_new_tokens": max_new_tokens, "dtype": "float32"})
+                  settings={"max_rows": max_rows, "max_new_tokens": max_new_tokens, "dtype": dtype})
     if base is not None:
         report["versus"] = {"baseline": str(baseline), "baseline_tau": base["tau"],
                             **paired_difference(report, base)}

@@ -339,6 +339,8 @@ class DocumentSource:
         if self.topk and doc.target_topk_ids is not None:  # a cache with a larger k: its first k (sorted)
             doc.target_topk_ids = doc.target_topk_ids[:, : self.topk]
             doc.target_topk_logp = doc.target_topk_logp[:, : self.topk]
+        elif not self.topk:  # a kl run's cache read by a run without a teacher: nothing to carry
+            doc.target_topk_ids = doc.target_topk_logp = None
         return doc
 
     @torch.inference_mode()
@@ -398,6 +400,17 @@ def _serves(manifest: dict, greedy: bool | str) -> bool:
     return bool(manifest.get("complete")) and serves_greedy(manifest.get("greedy_next", True), greedy)
 
 
+def _with_teacher(path: Path, layer_ids: list[int], compute: str, greedy: bool | str) -> Path | None:
+    """A complete cache beside `path` of the same rows, layer ids and target dtype that a kl run wrote (with a
+    top-k teacher) and that holds the greedy tokens `greedy` asks for: a run without a teacher reads it instead
+    of writing a cache of its own (the teacher's log-probs are ~5% of a row's bytes, and left unread)."""
+    for p in sorted(path.parent.glob(f"features-{'-'.join(map(str, layer_ids))}-top*")):
+        m = _manifest(p)
+        if m.get("target_dtype") == compute and m.get("target_layer_ids") == layer_ids and _serves(m, greedy):
+            return p
+    return None
+
+
 def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None,
                   greedy: bool | str = True, topk_vocab: torch.Tensor | None = None):
     """The data stage's FeatureCache for these rows and layer ids (written once if missing); with `topk` (the kl
@@ -425,6 +438,8 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
         if compute != ("bfloat16" if device == "cuda" else "float32"):
             name += f"-{compute}"  # not the device's plain dtype (names before `auto` read the CPU): its own cache
         path = data_cache_root(data, target_path) / name
+        if not topk and not cache_complete(path):  # a kl run's cache holds these features and greedy tokens too
+            path = _with_teacher(path, layer_ids, compute, bool(greedy)) or path
         lean = path.with_name(f"{name}-nogreedy")
         if not greedy and not topk and not cache_complete(path):
             path = lean  # a complete cache with greedy tokens serves dataset labels too; else a lean one

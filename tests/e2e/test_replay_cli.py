@@ -53,3 +53,14 @@ def test_replay_gives_every_prompt_the_steps_that_serving_took(accepting_run, ac
     versus = json.loads(again.read_text())["versus"]
     assert versus["diff"] == 0 and versus["se"] == 0 and versus["rows"] == ACCEPTING_PROMPTS
     assert f"against {out} (tau {replayed['tau']:.3f}): +0.000 ± 0.000" in stdout
+
+    # the same drafter verified by a bf16 target (what a bf16 server does), paired against float32: the same rows,
+    # a tau within bf16's near-tie flips of float32's (a drafter broken in bf16 would fall to ~1, below 1.3 - 0.2)
+    bf16 = tmp_path / "bf16.json"
+    run_dflash_train("replay", "--draft", str(run / "final"), "--rows", str(run), "--max-rows", str(ACCEPTING_PROMPTS),
+                     "--max-new-tokens", str(ACCEPTING_MAX_NEW_TOKENS), "--dtype", "bfloat16", "--baseline", str(out),
+                     "--json", str(bf16))
+    in_bf16 = json.loads(bf16.read_text())
+    assert in_bf16["settings"]["dtype"] == "bfloat16" and replayed["settings"]["dtype"] == "float32"
+    assert in_bf16["versus"]["rows"] == ACCEPTING_PROMPTS
+    assert abs(in_bf16["versus"]["diff"]) < 0.2, in_bf16["versus"]

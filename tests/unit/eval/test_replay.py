@@ -8,12 +8,13 @@ import math
 
 import pytest
 
-from dflash_train.errors import DataError
+from dflash_train.errors import ConfigError, DataError
 from dflash_train.eval.replay import (
     decode_steps,
     load_heldout_rows,
     paired_difference,
     read_replay,
+    run_replay,
     summary_lines,
     tau_with_error,
 )
@@ -143,6 +144,8 @@ def test_bad_rows_and_reports_are_refused_by_name(tmp_path, run_with_holdout):
     bad.write_text(json.dumps({"tau": 1.5}))
     with pytest.raises(DataError, match=r"--baseline .*report.json: not a `dflash-train replay --json` report"):
         read_replay(bad)
+    with pytest.raises(ConfigError, match="--dtype int8: choose one of bfloat16, float16, float32"):
+        run_replay(str(run), str(run), dtype="int8", progress=False)
 
 
 def test_the_summary_names_tau_its_error_and_the_paired_difference():

@@ -234,6 +234,31 @@ def test_greedy_labels_over_a_lean_draft_vocab_cache_get_a_folder_of_their_own(t
                          topk_vocab=vocab).path == lean.path
 
 
+def test_a_run_without_a_teacher_reads_a_kl_runs_cache_that_holds_its_labels(tmp_path, train_tiny_target,
+                                                                             train_prepared):
+    """Decision: a kl run's cache (features, greedy tokens where it wrote them, and the teacher) serves a ce run on
+    the same rows and layers; the ce run writes no cache of its own, and its documents carry no teacher."""
+    from dflash_train.train.documents import offline_cache
+    from dflash_train.train.recipe import DataConfig
+
+    data = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path))
+    vocab = torch.arange(0, 64, 3)
+    lean = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], topk=4, greedy=False, topk_vocab=vocab)
+    # dataset labels: the teacher's cache without greedy tokens is enough
+    ce = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], greedy=False)
+    assert ce.path == lean.path
+    # greedy labels: not from the lean one, but from the greedy teacher cache once there is one
+    full = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5], topk=4, topk_vocab=vocab)
+    ce = offline_cache(data, str(train_tiny_target), train_prepared, [1, 3, 5])
+    assert ce.path == full.path and full.path != lean.path
+    assert sorted(p.name for p in lean.path.parent.glob("features-*")) == [lean.path.name, full.path.name]
+    docs = DocumentSource(load_rows(train_prepared), "offline", feature_cache=ce, target_layer_ids=[1, 3, 5],
+                          target_hidden=64).get([1, 2])
+    assert all(d.target_topk_ids is None and d.target_topk_logp is None for d in docs)
+    assert torch.equal(docs[0].features, full.document(1).features)
+    assert torch.equal(docs[0].greedy_next, full.document(1).greedy_next)
+
+
 def test_held_out_rows_of_a_mixture_alternate_between_sources():
     from dflash_train.train.documents import interleave_by_label
 

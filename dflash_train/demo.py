@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from dflash_train.stages import Stage, command_path, run_stage, stop_stages
+from dflash_train.stages import Stage, allow_stages, command_path, run_stage, stop_stages
 from dflash_train.train.run_folder import trained_otherwise
 
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m-demo.yaml"
@@ -160,6 +160,7 @@ def run_lanes(stages: list[Stage], log, side: list[tuple[str, ...]] | None = Non
     split = next(i for i, s in enumerate(main) if s.name == "convert") + 1
     for stage in main[:split]:
         run_stage(stage, log)
+    allow_stages()
     errors, threads = [], []
     logs = [io.StringIO() for _ in side]
 

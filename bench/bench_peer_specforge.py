@@ -112,8 +112,9 @@ def main() -> None:
     from dflash_train.model.weights import write_json
     from dflash_train.target import load_target, resolve_target, target_torch_dtype
     from dflash_train.train.build_drafter import build_drafter
-    from dflash_train.train.documents import prepared_rows, recipe_source, source_balance, training_rows
+    from dflash_train.train.documents import prepared_rows, source_balance, training_rows
     from dflash_train.train.engine import World, lr_lambda
+    from dflash_train.train.feature_source import recipe_source
     from dflash_train.train.loop import StepPlan
     from dflash_train.train.optimizer import decay_groups
     from dflash_train.train.recipe import load_recipe

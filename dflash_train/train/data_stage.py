@@ -20,8 +20,9 @@ def recipe_feature_cache(resolved: ResolvedRecipe, where: str = "--config"):
     from dflash_train.target import load_target, resolve_target, target_torch_dtype
     from dflash_train.train.auto_dtypes import resolve_auto_dtypes
     from dflash_train.train.build_drafter import build_drafter
-    from dflash_train.train.documents import prepared_rows, recipe_source, training_rows
+    from dflash_train.train.documents import prepared_rows, training_rows
     from dflash_train.train.engine import init_distributed
+    from dflash_train.train.feature_source import recipe_source
     from dflash_train.train.init_from import resolve_init_from
 
     if resolved.recipe.data.features != "offline":

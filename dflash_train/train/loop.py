@@ -36,7 +36,6 @@ from dflash_train.train.documents import (
     DocumentSource,
     fit_rows,
     prepared_rows,
-    recipe_source,
     source_balance,
     training_rows,
     validation_rows,
@@ -49,6 +48,7 @@ from dflash_train.train.engine import (
     forward_precision,
     init_distributed,
 )
+from dflash_train.train.feature_source import recipe_source
 from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.init_from import resolve_init_from
 from dflash_train.train.loss import BlockStats

@@ -152,7 +152,7 @@ def test_an_interrupted_data_cache_feature_cache_is_finished_not_refused(tmp_pat
     import json
 
     from dflash_train.features.cache import MANIFEST_FILE
-    from dflash_train.train.documents import cache_complete, offline_cache
+    from dflash_train.train.feature_source import cache_complete, offline_cache
     from dflash_train.train.recipe import DataConfig
 
     data = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path))
@@ -176,7 +176,8 @@ def test_a_bfloat16_target_gets_a_feature_cache_of_its_own(tmp_path, train_tiny_
     the same, and the features go to a folder named for the dtype, which a float32 recipe refuses."""
     from dflash_train.errors import DataError
     from dflash_train.features.cache import FeatureCache
-    from dflash_train.train.documents import data_cache_root, offline_cache
+    from dflash_train.train.documents import data_cache_root
+    from dflash_train.train.feature_source import offline_cache
     from dflash_train.train.recipe import DataConfig
 
     fp32 = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path))
@@ -197,7 +198,7 @@ def test_a_bfloat16_target_gets_a_feature_cache_of_its_own(tmp_path, train_tiny_
 def test_dataset_labels_reuse_a_greedy_cache_or_write_a_lean_one(tmp_path, train_tiny_target, train_prepared):
     """Decision: a recipe with dataset labels reads a complete cache that has the greedy tokens when there
     is one; otherwise it writes a cache without them (no LM head) into a folder of its own."""
-    from dflash_train.train.documents import offline_cache
+    from dflash_train.train.feature_source import offline_cache
     from dflash_train.train.recipe import DataConfig
 
     data = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path))
@@ -215,7 +216,7 @@ def test_greedy_labels_over_a_lean_draft_vocab_cache_get_a_folder_of_their_own(t
     target forward skips the whole head); a later run with greedy labels writes one beside it instead of
     stopping on the lean one, and both hold the same features and teacher."""
     from dflash_train.features.extract import vocab_tag
-    from dflash_train.train.documents import offline_cache
+    from dflash_train.train.feature_source import offline_cache
     from dflash_train.train.recipe import DataConfig
 
     data = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path))
@@ -238,7 +239,7 @@ def test_a_run_without_a_teacher_reads_a_kl_runs_cache_that_holds_its_labels(tmp
                                                                              train_prepared):
     """Decision: a kl run's cache (features, greedy tokens where it wrote them, and the teacher) serves a ce run on
     the same rows and layers; the ce run writes no cache of its own, and its documents carry no teacher."""
-    from dflash_train.train.documents import offline_cache
+    from dflash_train.train.feature_source import offline_cache
     from dflash_train.train.recipe import DataConfig
 
     data = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path))
@@ -315,7 +316,7 @@ def test_dataset_labels_with_the_prompts_positions_pick_a_cache_that_serves_them
     one, into the plain folder when it is free and `<name>-prompts` beside a lean one. Greedy labels then still
     get a cache with every argmax."""
     from dflash_train.features.extract import vocab_tag
-    from dflash_train.train.documents import offline_cache
+    from dflash_train.train.feature_source import offline_cache
     from dflash_train.train.recipe import DataConfig
 
     vocab, layers = torch.arange(0, 64, 3), [1, 3, 5]

@@ -64,10 +64,12 @@ if mode == "lane-race":  # the same in the side lane, where no signal can be hel
         def __init__(self, args, **kwargs):
             super().__init__(args, **kwargs)
             if str(folder / "validate") in args:
-                while not (folder / "validate.pid").exists():
+                # the main lane's eval has started too (on a loaded machine it may start after validate)
+                while not ((folder / "validate.pid").exists() and (folder / "eval.pid").exists()):
                     time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGTERM)
-                while not (folder / "eval.stopped").exists():  # the main thread's stop_stages has reached eval
+                end = time.monotonic() + 30  # the main thread's stop_stages reaches eval, then this registers
+                while not (folder / "eval.stopped").exists() and time.monotonic() < end:
                     time.sleep(0.01)
                 time.sleep(0.5)
     subprocess.Popen = LateInLane

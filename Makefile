@@ -42,10 +42,10 @@ vllm-venv: $(VLLM_VENV)/.installed
 
 # the venvs' versions as the constraints of the next install (local build labels such as +cpu dropped: the
 # CPU build is chosen by the index, not by the constraint)
+freeze_to = $(1) -m pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' > $(2).tmp && mv $(2).tmp $(2)
 lock: install vllm-venv
-	$(PIP) freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
-	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' \
-		> $(VLLM_CONSTRAINTS).tmp && mv $(VLLM_CONSTRAINTS).tmp $(VLLM_CONSTRAINTS)
+	$(call freeze_to,$(PY),$(CONSTRAINTS))
+	$(call freeze_to,$(VLLM_VENV)/bin/python,$(VLLM_CONSTRAINTS))
 
 $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -68,10 +68,7 @@ def stop_stages(signum: int = signal.SIGTERM, grace: float | None = None) -> Non
         _stopped_by = signum
         procs = [p for p in _running if p.poll() is None]
     for proc in procs:
-        try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
+        _signal(proc, signum)
     deadline = time.monotonic() + (GRACE_S if grace is None else grace)
     for proc in procs:
         _end(proc, deadline)
@@ -86,12 +83,18 @@ def _end(proc: subprocess.Popen, deadline: float) -> None:
         proc.wait()
 
 
-def _stop_one(proc: subprocess.Popen, signum: int, grace: float) -> None:
+def _signal(proc: subprocess.Popen, signum: int) -> bool:
+    """Send `signum` to a stage; False when it has already gone."""
     try:
         proc.send_signal(signum)
     except ProcessLookupError:
-        return
-    _end(proc, time.monotonic() + grace)
+        return False
+    return True
+
+
+def _stop_one(proc: subprocess.Popen, signum: int, grace: float) -> None:
+    if _signal(proc, signum):
+        _end(proc, time.monotonic() + grace)
 
 
 def command_path(name: str) -> str:

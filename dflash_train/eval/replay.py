@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.errors import ConfigError, DataError
+from dflash_train.errors import DataError
 
 BOOTSTRAP_RESAMPLES = 2000
 
@@ -176,14 +176,13 @@ def run_replay(draft: str, rows: str, target: str | None = None, max_rows: int |
     (float32 by default: what the eval's lossless check uses), replay the held-out rows, compare with a
     `baseline` replay report when given, write `json_out`."""
     from dflash_train.eval.report import write_report_json
-    from dflash_train.eval.run import check_device, resolve_drafter_dir
+    from dflash_train.eval.run import check_device, compute_dtype, resolve_drafter_dir
     from dflash_train.eval.spec_decode import check_block_size
-    from dflash_train.model.checkpoint import DTYPES, load_drafter
+    from dflash_train.model.checkpoint import load_drafter
     from dflash_train.outputs import plan_output
     from dflash_train.target import load_target, load_target_config, load_tokenizer, resolve_target
 
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    torch_dtype = compute_dtype(dtype)
     check_device(device)
     draft_dir = resolve_drafter_dir(draft)
     if json_out:
@@ -192,9 +191,9 @@ def run_replay(draft: str, rows: str, target: str | None = None, max_rows: int |
     base = read_replay(baseline) if baseline else None
     held = load_heldout_rows(rows, max_rows, max_new_tokens)
     target_path = resolve_target(target)
-    drafter = load_drafter(draft_dir, target_config=load_target_config(target_path), dtype=DTYPES[dtype],
+    drafter = load_drafter(draft_dir, target_config=load_target_config(target_path), dtype=torch_dtype,
                            tokenizer=load_tokenizer(target_path), what="--draft")
-    target_model, _ = load_target(target_path, dtype=DTYPES[dtype], device=device)
+    target_model, _ = load_target(target_path, dtype=torch_dtype, device=device)
     drafter.to(next(target_model.parameters()).device).eval().attach_target(target_model)
     b = check_block_size(drafter, block_size)
     report = replay(drafter, target_model, held, b, progress=progress)

@@ -77,6 +77,15 @@ def check_device(device: str | None, flag: str = "--device") -> None:
         raise ConfigError(f"{flag} {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
+def compute_dtype(name: str, flag: str = "--dtype"):
+    """The torch dtype the target and the drafter compute in, refused by name before any model loads."""
+    from dflash_train.model.checkpoint import DTYPES
+
+    if name not in DTYPES:
+        raise ConfigError(f"{flag} {name}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     """Load, evaluate, write the outputs named in `cfg`; returns the report (with `draft`/`target`)."""
     import torch
@@ -84,12 +93,10 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     from dflash_train.eval.prompts import load_labelled_prompts
     from dflash_train.eval.report import plot_report, write_report_json
     from dflash_train.eval.spec_decode import evaluate
-    from dflash_train.model.checkpoint import DTYPES, load_drafter, read_drafter_config
+    from dflash_train.model.checkpoint import load_drafter, read_drafter_config
     from dflash_train.target import load_target, load_target_config, load_tokenizer, resolve_target
 
-    if cfg.dtype not in DTYPES:
-        raise ConfigError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}")
-    dtype = DTYPES[cfg.dtype]
+    dtype = compute_dtype(cfg.dtype)
     check_device(cfg.device)
     draft_dir = resolve_drafter_dir(cfg.draft)
     check_report_outputs(cfg, draft_dir)  # seconds in, not after the eval

@@ -152,6 +152,20 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def cache_kwarg(model) -> str:
+    """The name a transformers model's forward (and `generate`) takes its cache under: `cache` since
+    transformers 5.24 (`past_key_values` is deprecated there and removed in 5.40), `past_key_values` before
+    (5.17, the GPU machines')."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_arg(model, cache) -> dict:
+    """`{name: cache}` for a forward call, under the name this transformers takes (`cache_kwarg`)."""
+    return {cache_kwarg(model): cache}
+
+
 def load_target(target: str | os.PathLike | None = None, dtype=None, device: str | None = None):
     """Load a frozen HF causal LM and its tokenizer. Returns (model, tokenizer)."""
     import torch

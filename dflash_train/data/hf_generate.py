@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterator
 
 from dflash_train.data import static_decode
 from dflash_train.errors import DataError
+from dflash_train.target import cache_kwarg
 
 SAFETY = 0.6
 MAX_ROWS_CPU = 32
@@ -253,7 +254,7 @@ class HFGenerator:
                                                      self.pad_id).tolist()
         else:
             if self.static:
-                extra[static_decode.cache_kwarg(self.model)] = self._static_cache(n, width)
+                extra[cache_kwarg(self.model)] = self._static_cache(n, width)
                 if self.compile_config is not None:
                     extra["compile_config"] = self.compile_config
             torch.manual_seed(seed)

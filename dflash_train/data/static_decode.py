@@ -24,6 +24,8 @@ finishes.
 
 from __future__ import annotations
 
+from dflash_train.target import cache_kwarg
+
 CHECK_EVERY = 16  # decode steps between two reads of "has every row finished" (one host sync each)
 
 
@@ -38,13 +40,6 @@ def compiled_forward(model, compile_config, device: str):
         return model.get_compiled_call(config)
     return model.__call__
 
-
-def cache_kwarg(model) -> str:
-    """The name the model's forward (and `generate`) take the cache under: `cache` since transformers 5.24,
-    `past_key_values` before."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def greedy_decode(model, step, ids, mask, cache, max_new_tokens: int, stop_ids: list[int], pad_id: int):

@@ -28,6 +28,7 @@ import torch
 
 from dflash_train.eval.results import Generation, Step
 from dflash_train.features.extract import capture_layers
+from dflash_train.target import cache_arg
 
 
 def batchable(target) -> bool:
@@ -96,7 +97,7 @@ def batched_speculative_generate(draft, target, prompts: Sequence[Sequence[int]]
     cache = DynamicCache(config=target.config)
     with capture_layers(target, layer_ids) as cap:
         out = target(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                     past_key_values=cache, use_cache=True)
+                     **cache_arg(target, cache), use_cache=True)
     feats, firsts = cap.features(), out.logits[:, -1].argmax(-1).tolist()
     rows = []
     for r, p in enumerate(prompts):
@@ -125,7 +126,7 @@ def batched_speculative_generate(draft, target, prompts: Sequence[Sequence[int]]
         attn = torch.cat([attn, attn.new_ones(len(live), b)], dim=-1)
         with capture_layers(target, layer_ids) as cap:
             out = target(input_ids=torch.tensor(verify, device=device), attention_mask=attn,
-                         position_ids=torch.tensor(positions, device=device), past_key_values=cache,
+                         position_ids=torch.tensor(positions, device=device), **cache_arg(target, cache),
                          use_cache=True)
         greedy, feats = out.logits.argmax(-1).tolist(), cap.features()
         stay = []

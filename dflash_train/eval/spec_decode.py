@@ -31,6 +31,7 @@ from dflash_train.errors import ConfigError
 from dflash_train.eval.batched_decode import batchable, batched_speculative_generate, greedy_accept, stop_index
 from dflash_train.eval.results import Generation, PromptResult, Step
 from dflash_train.features.extract import capture_layers
+from dflash_train.target import cache_arg
 
 # ---- sampling helpers ------------------------------------------------------------------------
 
@@ -132,7 +133,7 @@ def speculative_generate(draft, target, prompt_ids: Sequence[int], max_new_token
     cache = TargetCache(target)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     with capture_layers(target, layer_ids) as cap:  # feature t = output of decoder layer t (extract.py)
-        out = target(input_ids=ids, past_key_values=cache.cache, use_cache=True)
+        out = target(input_ids=ids, **cache_arg(target, cache.cache), use_cache=True)
     ctx = draft.new_cache()
     n_prompt = ids.shape[1]
     draft.append_context(ctx, cap.features().to(draft_device),
@@ -150,7 +151,7 @@ def speculative_generate(draft, target, prompt_ids: Sequence[int], max_new_token
         verify = torch.tensor([[tokens[-1], *proposals]], dtype=torch.long, device=device)
         cache.before_verify()
         with capture_layers(target, layer_ids) as cap:
-            out = target(input_ids=verify, past_key_values=cache.cache, use_cache=True)
+            out = target(input_ids=verify, **cache_arg(target, cache.cache), use_cache=True)
         a, extra = _verify(proposals, q, out.logits[0], temperature, generator)
 
         cache.keep(target, verify, a + 1)  # verified inputs: positions p .. p+a
@@ -177,10 +178,10 @@ def plain_generate(target, prompt_ids: Sequence[int], max_new_tokens: int, tempe
     start = time.perf_counter()
     cache = _new_cache(target)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    out = target(input_ids=ids, past_key_values=cache, use_cache=True)
+    out = target(input_ids=ids, **cache_arg(target, cache), use_cache=True)
     tokens = [_pick(out.logits[0, -1], temperature, generator)]
     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
-        out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=cache, use_cache=True)
+        out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), **cache_arg(target, cache), use_cache=True)
         tokens.append(_pick(out.logits[0, -1], temperature, generator))
     _sync(device)
     return Generation(tokens=tokens, seconds=time.perf_counter() - start)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash_train.target import cache_arg
+
 
 def _recurrent(layer) -> bool:
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
@@ -100,5 +102,5 @@ class TargetCache:
             if not _recurrent(layer) or hasattr(layer, "keys"):
                 _crop_kv(layer, fed.shape[1])
         self._snapshot = None
-        target(input_ids=fed[:, :kept], past_key_values=self.cache, use_cache=True)
+        target(input_ids=fed[:, :kept], **cache_arg(target, self.cache), use_cache=True)
         self.settle()

@@ -9,6 +9,7 @@ import torch
 
 from dflash_train.data import static_decode
 from dflash_train.data.hf_generate import HFGenerator
+from dflash_train.target import cache_kwarg
 
 NEW = 40
 STOP = [2]
@@ -93,7 +94,7 @@ def test_sampling_keeps_generate(smollm2_path, smollm2, prompts, monkeypatch):
     gen = HFGenerator(str(smollm2_path), smollm2[1], STOP, 4, 0.7, static_cache=True)
     used = []
     real = gen.model.generate
-    name = static_decode.cache_kwarg(gen.model)
+    name = cache_kwarg(gen.model)
     monkeypatch.setattr(gen.model, "generate", lambda **kw: used.append(kw[name]) or real(**kw))
     assert len(gen.generate(prompts[:2], seed=1)) == 2 and len(used) == 1 and used[0] is not None
     greedy = HFGenerator(str(smollm2_path), smollm2[1], STOP, 4, 0.0, static_cache=True)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dflash_train.eval.target_cache import TargetCache
+from dflash_train.target import cache_arg
 
 # key/value only, sliding window (+ sinks), hybrid linear attention (dense and MoE), MLA
 KINDS = ["qwen3", "gemma3_text", "gpt_oss", "qwen3_5_text", "qwen3_next", "deepseek_v3"]
@@ -21,18 +22,18 @@ def test_keep_equals_feeding_only_the_kept_tokens(model_type, tiny_target, one_t
     with torch.no_grad():
         for kept in (1, 3, 5):
             cache = TargetCache(model)
-            model(input_ids=prompt, past_key_values=cache.cache, use_cache=True)
+            model(input_ids=prompt, **cache_arg(model, cache.cache), use_cache=True)
             for _ in range(2):  # two rounds: a restored cache must verify and roll back again
                 cache.before_verify()
-                model(input_ids=block, past_key_values=cache.cache, use_cache=True)
+                model(input_ids=block, **cache_arg(model, cache.cache), use_cache=True)
                 cache.keep(model, block, kept)
             assert cache.length() == prompt.shape[1] + 2 * kept
-            got = model(input_ids=nxt, past_key_values=cache.cache, use_cache=True).logits
+            got = model(input_ids=nxt, **cache_arg(model, cache.cache), use_cache=True).logits
 
             ref_cache = DynamicCache(config=model.config)
             fed = torch.cat([prompt, block[:, :kept], block[:, :kept]], dim=1)
-            model(input_ids=fed, past_key_values=ref_cache, use_cache=True)
-            want = model(input_ids=nxt, past_key_values=ref_cache, use_cache=True).logits
+            model(input_ids=fed, **cache_arg(model, ref_cache), use_cache=True)
+            want = model(input_ids=nxt, **cache_arg(model, ref_cache), use_cache=True).logits
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
@@ -53,7 +54,7 @@ def test_keep_without_snapshot_is_a_bug_not_a_silent_mistake(tiny_target):
     cache = TargetCache(model)
     ids = torch.arange(5, 15)[None]
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache.cache, use_cache=True)
-        model(input_ids=ids[:, :4], past_key_values=cache.cache, use_cache=True)
+        model(input_ids=ids, **cache_arg(model, cache.cache), use_cache=True)
+        model(input_ids=ids[:, :4], **cache_arg(model, cache.cache), use_cache=True)
         with pytest.raises(RuntimeError, match="before_verify"):
             cache.keep(model, ids[:, :4], 2)

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from dflash_train.target import DEFAULT_TARGET_NAME, default_target_path, resolve_target
+from dflash_train.target import DEFAULT_TARGET_NAME, cache_arg, cache_kwarg, default_target_path, resolve_target
 
 
 def test_default_target_is_a_real_smollm2_folder(smollm2_path):
@@ -56,3 +56,19 @@ def test_unreadable_targets_are_one_line_naming_the_flag(tmp_path):
     with pytest.raises(DFlashError, match="--target org/bad name!!: not a local folder, and its config could not be "
                                           "read from the hub or the HF cache"):
         load_target_config("org/bad name!!")
+
+
+def test_the_cache_goes_in_under_the_name_the_forward_takes(smollm2):
+    """`cache` where the forward has it (transformers 5.24 on), `past_key_values` on an older forward."""
+    import inspect
+
+    class Older:
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return past_key_values
+
+    target = smollm2[0]
+    want = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    assert cache_kwarg(target) == want
+    assert cache_kwarg(Older()) == "past_key_values"
+    marker = object()
+    assert Older().forward(**cache_arg(Older(), marker)) is marker

@@ -30,6 +30,7 @@ import torch
 from dflash_train.errors import DataError
 
 BOOTSTRAP_RESAMPLES = 2000
+REPEAT_NGRAM = 3  # `repeat_anchors`: a 3-gram and the token after it seen before
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,32 @@ def load_heldout_rows(holdout_file: str | Path, max_rows: int | None = None,
     return out
 
 
+def repeat_anchors(ids: Sequence[int], anchors: Sequence[int], n: int = REPEAT_NGRAM) -> torch.Tensor:
+    """Which anchors a copy of earlier text follows: at anchor j, the `n` tokens ending at j and the token
+    after them (ids[j - n + 1 : j + 2]) occur earlier in `ids`, prompt included. A block there repeats text
+    the context holds (a loop of a greedy answer, a quoted line): a drafter that copies from its context gets
+    it right. [len(anchors)] bool."""
+    seen: set[tuple[int, ...]] = set()
+    flags = torch.zeros(len(anchors), dtype=torch.bool)
+    where = {j: k for k, j in enumerate(anchors)}
+    for j in range(n - 1, len(ids) - 1):
+        gram = tuple(ids[j - n + 1: j + 2])
+        if j in where and gram in seen:
+            flags[where[j]] = True
+        seen.add(gram)
+    return flags
+
+
+def _split_by_repeat(lengths: torch.Tensor, repeats: torch.Tensor) -> dict:
+    """The block acceptance length at anchors that repeat earlier text and at the others, with their shares."""
+    out = {}
+    for name, chosen in (("repeat", repeats), ("other", ~repeats)):
+        part = lengths[chosen].double()
+        out[name] = {"share": float(chosen.double().mean()) if len(chosen) else 0.0,
+                     "accept_len": float(part.mean()) if len(part) else None}
+    return out
+
+
 @torch.no_grad()
 def replay(draft, target_model, rows: Sequence[HeldOutRow], block_size: int, progress: bool = False) -> dict:
     """Each row's greedy decode steps (see the module docstring); returns the report: tau and its
@@ -101,17 +128,20 @@ def replay(draft, target_model, rows: Sequence[HeldOutRow], block_size: int, pro
     from dflash_train.features.extract import TargetFeatures
 
     extract = TargetFeatures(target_model, draft.config.target_layer_ids)
-    per_row, everywhere = [], []
+    per_row, everywhere, repeats = [], [], []
     for r in tqdm(rows, desc="replay", unit="row", disable=not progress):
         doc = decoded_document(extract, r.prompt_ids, r.answer_ids)
         start = len(r.prompt_ids)
         anchors = torch.arange(start, start + len(r.answer_ids) - 1)
         lengths = block_accept_lengths(draft, doc, anchors, block_size)
         everywhere.append(lengths)
+        repeats.append(repeat_anchors([*r.prompt_ids, *r.answer_ids], anchors.tolist()))
         steps = decode_steps(lengths.tolist(), len(r.answer_ids))
         per_row.append({"row": r.row, "source": r.source, "tokens": len(r.answer_ids) - 1, "steps": len(steps),
                         "committed": steps})
-    report = {**tau_with_error(per_row), "every_position": float(torch.cat(everywhere).double().mean()),
+    lengths = torch.cat(everywhere)
+    report = {**tau_with_error(per_row), "every_position": float(lengths.double().mean()),
+              "every_position_by_repeat": _split_by_repeat(lengths, torch.cat(repeats)),
               "block_size": block_size, "per_row": per_row}
     sources = sorted({r["source"] for r in per_row if r["source"] is not None})
     report["per_source"] = {s: tau_with_error([r for r in per_row if r["source"] == s]) for s in sources}
@@ -228,6 +258,11 @@ def summary_lines(report: dict) -> list[str]:
              f"  tau {tau(report)} (± one standard error over rows)"
              + "".join(f"; {name} {tau(e)}" for name, e in report["per_source"].items()),
              f"  block acceptance length at every answer position: {report['every_position']:.3f}"]
+    split = report.get("every_position_by_repeat")
+    if split and split["repeat"]["accept_len"] is not None and split["other"]["accept_len"] is not None:
+        lines.append(f"    where the answer repeats earlier text ({REPEAT_NGRAM} tokens and the next seen before; "
+                     f"{split['repeat']['share']:.0%} of positions): {split['repeat']['accept_len']:.3f}; "
+                     f"elsewhere {split['other']['accept_len']:.3f}")
     if "versus" in report:
         v = report["versus"]
         se = "" if v["se"] is None else f" ± {v['se']:.3f}"

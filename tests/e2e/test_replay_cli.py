@@ -16,7 +16,7 @@ import json
 import pytest
 from conftest import ACCEPTING_MAX_NEW_TOKENS, ACCEPTING_PROMPTS, run_dflash_train
 
-from dflash_train.eval.replay import load_heldout_rows
+from dflash_train.eval.replay import load_heldout_rows, repeat_anchors
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -44,6 +44,15 @@ def test_replay_gives_every_prompt_the_steps_that_serving_took(accepting_run, ac
     if alike == ACCEPTING_PROMPTS:
         assert replayed["tau"] == pytest.approx(report["tau"], abs=1e-9)
     assert f"tau {replayed['tau']:.3f} ± {replayed['tau_se']:.3f}" in stdout
+    # every answer position is either a copy of earlier text or not; the two means recompose the whole one
+    split = replayed["every_position_by_repeat"]
+    flags = [repeat_anchors([*h.prompt_ids, *h.answer_ids],
+                            list(range(len(h.prompt_ids), len(h.prompt_ids) + len(h.answer_ids) - 1))) for h in rows]
+    flat = [bool(f) for part in flags for f in part.tolist()]
+    assert split["repeat"]["share"] == pytest.approx(sum(flat) / len(flat))
+    assert split["repeat"]["share"] + split["other"]["share"] == pytest.approx(1.0)
+    assert sum(split[k]["share"] * split[k]["accept_len"] for k in ("repeat", "other")
+               if split[k]["accept_len"] is not None) == pytest.approx(replayed["every_position"])
 
     # a second drafter against the first: the paired difference, and zero against itself
     again = tmp_path / "again.json"

@@ -14,6 +14,7 @@ from dflash_train.eval.replay import (
     load_heldout_rows,
     paired_difference,
     read_replay,
+    repeat_anchors,
     run_replay,
     summary_lines,
     tau_with_error,
@@ -157,3 +158,25 @@ def test_the_summary_names_tau_its_error_and_the_paired_difference():
     assert f"tau {40 / 25:.3f} ± {report['tau_se']:.3f}" in text and "; chat 1.600" in text
     assert "against base.json (tau 1.500): +0.012 ± 0.004 (paired" in text
     assert math.isclose(report["tau"], 1.6)
+
+
+def test_an_anchor_repeats_earlier_text_when_its_3_gram_and_next_token_were_seen():
+    # a loop of period 4 after a prompt: 5 6 7 | 1 2 3 4 1 2 3 4 1 2
+    ids = [5, 6, 7, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    anchors = list(range(3, len(ids) - 1))  # every answer token with a successor
+    flags = repeat_anchors(ids, anchors)
+    # anchor j repeats when ids[j-2 : j+2] occurred before: from the second lap's third token (j = 9: 1 2 3 -> 4)
+    assert flags.tolist() == [j >= 9 for j in anchors]
+    # the same 3 tokens followed by another token is not a copy; the prompt's text counts as earlier text
+    assert repeat_anchors([1, 2, 3, 9, 1, 2, 3, 8], [6]).tolist() == [False]
+    assert repeat_anchors([1, 2, 3, 9, 1, 2, 3, 9], [6]).tolist() == [True]
+    assert repeat_anchors([1, 2], [0]).tolist() == [False]  # too short for a 3-gram
+
+
+def test_the_summary_splits_acceptance_at_repeated_text_from_the_rest():
+    rows = _rows([(10, 5)], "chat")
+    split = {"repeat": {"share": 0.25, "accept_len": 3.5}, "other": {"share": 0.75, "accept_len": 1.25}}
+    report = {**tau_with_error(rows), "per_row": rows, "block_size": 4, "every_position": 1.8125,
+              "every_position_by_repeat": split, "per_source": {"chat": tau_with_error(rows)}}
+    text = "\n".join(summary_lines(report))
+    assert "25% of positions): 3.500; elsewhere 1.250" in text

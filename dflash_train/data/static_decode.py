@@ -41,7 +41,6 @@ def compiled_forward(model, compile_config, device: str):
     return model.__call__
 
 
-
 def greedy_decode(model, step, ids, mask, cache, max_new_tokens: int, stop_ids: list[int], pad_id: int):
     """Greedy tokens [rows, <= max_new_tokens] (device) of a left-padded group: `ids`, `mask` [rows, width] on
     the model's device, `cache` a StaticCache of width + max_new_tokens positions (reset), `step` the decode

@@ -16,7 +16,13 @@ each one's step time against fp32 and its loss and gradient error against fp32.
 `--prefix` compares the demo's bf16-mixed step with `objective.prefix_weighting` off and on (the labels'
 probabilities taken in the head's one pass), as the ratio of their step times.
 
-Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]
+`--layers` compares drafters of other depths and MLP widths at the demo recipe's shape (B=4, 32 anchors per
+document, 4K draft vocabulary, bf16-mixed, prefix weighting): one layer of MLP 1,536 (the recipe until
+round 17), two of 512 and two of 1,536. The variants take turns over `--rounds` rounds, each round a fresh
+subprocess per variant, and each ratio is the median of its rounds' ratios: a shared machine's drift falls on
+every variant alike.
+
+Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]\n       python bench/bench_train_step.py --layers [--steps 10] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -124,6 +130,9 @@ def _head_alone(model, mb, chunk: int, steps: int) -> float:
 
 DEMO = replace(SMOLLM2, vocab=4096, block=8, anchors=96)  # the demo: ~6 documents x 16 anchors in 1,024 tokens
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")
+# the demo recipe since round 8: blocks of 4, 32 anchors per document, ~6 documents in 1,024 tokens
+DEMO_B4 = replace(SMOLLM2, vocab=4096, block=4, anchors=192)
+LAYERS = {"layers-1x1536": (1, 1536), "layers-2x512": (2, 512), "layers-2x1536": (2, 1536)}
 
 
 def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
@@ -133,8 +142,12 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     from dflash_train.train.batches import microbatch_loss
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    prefix = name == "prefix-weighting"  # bf16-mixed at the demo's shape, objective.prefix_weighting on
-    model, mb = build_step(DEMO) if name in PRECISIONS or prefix else _setup(vocab)
+    depth = LAYERS.get(name)  # bf16-mixed with prefix weighting at the B=4 demo's shape, this depth and width
+    prefix = name == "prefix-weighting" or depth is not None  # objective.prefix_weighting on
+    if depth is not None:
+        model, mb = build_step(replace(DEMO_B4, layers=depth[0], intermediate=depth[1]))
+    else:
+        model, mb = build_step(DEMO) if name in PRECISIONS or prefix else _setup(vocab)
     if name == "bf16":  # DeepSpeed's bf16 engine holds the drafter (and the frozen head) in bf16
         model.to(torch.bfloat16)
         model.attach_target_weights(model._target_embed.bfloat16(), model._target_lm_head.bfloat16())
@@ -173,6 +186,9 @@ def main() -> None:
                     help="compare engine.precision fp32 / bf16 / bf16-mixed at the demo's shape instead")
     ap.add_argument("--prefix", action="store_true",
                     help="compare the demo's bf16-mixed step without and with objective.prefix_weighting instead")
+    ap.add_argument("--layers", action="store_true",
+                    help="compare drafter depths and MLP widths at the B=4 demo's shape instead")
+    ap.add_argument("--rounds", type=int, default=3, help="--layers: turns of every variant")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -181,6 +197,9 @@ def main() -> None:
     from dflash_train.machine import describe, machine_facts
 
     print(f"machine: {describe(machine_facts())}")
+    if args.layers:
+        _compare_layers(args)
+        return
     results = {}
     names = PRECISIONS if args.precisions else ("bf16-mixed", "prefix-weighting") if args.prefix else ("naive", "ours")
     for name in names:
@@ -209,6 +228,31 @@ def main() -> None:
     print(f"  LM head alone {o['head_s']:.3f} s (the same exact work in both): no variant of the rest can beat "
           f"{n['step_s'] / o['head_s']:.2f}x; the rest of the step is {n['step_s'] - o['head_s']:.3f} s naive vs "
           f"{o['step_s'] - o['head_s']:.3f} s ours ({(n['step_s'] - o['head_s']) / max(o['step_s'] - o['head_s'], 1e-9):.1f}x)")
+
+
+def _one(name: str, args) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--variant", name, "--steps", str(args.steps),
+                          "--vocab", str(args.vocab), "--chunk", str(args.chunk)], capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _compare_layers(args) -> None:
+    """Every LAYERS variant in turn, `args.rounds` times; each variant's step against the first's, per round."""
+    import statistics
+
+    names = list(LAYERS)
+    rounds = [{name: _one(name, args)["step_s"] for name in names} for _ in range(args.rounds)]
+    s = DEMO_B4
+    print(f"T={s.tokens} anchors={s.anchors} B={s.block} vocab={s.vocab}, bf16-mixed, prefix weighting, "
+          f"{args.steps} timed steps x {args.rounds} rounds (forward + backward, no optimizer)")
+    for name in names:
+        steps = [r[name] for r in rounds]
+        ratio = statistics.median(r[name] / r[names[0]] for r in rounds)
+        layers, width = LAYERS[name]
+        print(f"  {layers} layer(s), MLP {width:5d}: step {statistics.median(steps):.3f} s (median; "
+              f"{min(steps):.3f}-{max(steps):.3f}), {ratio:.2f}x {names[0]}")
 
 
 def _print_precisions(results: dict, args) -> None:

@@ -91,29 +91,40 @@ def load_heldout_rows(holdout_file: str | Path, max_rows: int | None = None,
     return out
 
 
-def repeat_anchors(ids: Sequence[int], anchors: Sequence[int], n: int = REPEAT_NGRAM) -> torch.Tensor:
-    """Which anchors a copy of earlier text follows: at anchor j, the `n` tokens ending at j and the token
-    after them (ids[j - n + 1 : j + 2]) occur earlier in `ids`, prompt included. A block there repeats text
-    the context holds (a loop of a greedy answer, a quoted line): a drafter that copies from its context gets
-    it right. [len(anchors)] bool."""
+def repeat_anchors(ids: Sequence[int], anchors: Sequence[int], block_size: int,
+                   n: int = REPEAT_NGRAM) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which anchors a copy of earlier text follows, and what copying would accept there. At anchor j the
+    `n` tokens ending at j and the token after them (ids[j - n + 1 : j + 2]) occur earlier in `ids`, prompt
+    included: a block there repeats text the context holds (a loop of a greedy answer, a quoted line).
+    Returns ([len(anchors)] bool, [len(anchors)] long): the flags, and at each flagged anchor the block length
+    a copier gets (1 + the tokens after the `n` tokens' latest earlier occurrence that match ids[j + 1 :], at
+    most block_size - 1 of them; prompt-lookup decoding's proposal), 0 elsewhere."""
     seen: set[tuple[int, ...]] = set()
+    latest: dict[tuple[int, ...], int] = {}  # n tokens -> the end of their latest occurrence before j
     flags = torch.zeros(len(anchors), dtype=torch.bool)
+    copied = torch.zeros(len(anchors), dtype=torch.long)
     where = {j: k for k, j in enumerate(anchors)}
     for j in range(n - 1, len(ids) - 1):
-        gram = tuple(ids[j - n + 1: j + 2])
+        gram, head = tuple(ids[j - n + 1: j + 2]), tuple(ids[j - n + 1: j + 1])
         if j in where and gram in seen:
-            flags[where[j]] = True
+            k, length = latest[head], 1
+            while length < block_size and j + length < len(ids) and ids[k + length] == ids[j + length]:
+                length += 1
+            flags[where[j]], copied[where[j]] = True, length
         seen.add(gram)
-    return flags
+        latest[head] = j
+    return flags, copied
 
 
-def _split_by_repeat(lengths: torch.Tensor, repeats: torch.Tensor) -> dict:
-    """The block acceptance length at anchors that repeat earlier text and at the others, with their shares."""
+def _split_by_repeat(lengths: torch.Tensor, repeats: torch.Tensor, copied: torch.Tensor) -> dict:
+    """The block acceptance length at anchors that repeat earlier text and at the others, with their shares;
+    at the repeats also what a copier of the earlier text would accept (`repeat_anchors`)."""
     out = {}
     for name, chosen in (("repeat", repeats), ("other", ~repeats)):
         part = lengths[chosen].double()
         out[name] = {"share": float(chosen.double().mean()) if len(chosen) else 0.0,
                      "accept_len": float(part.mean()) if len(part) else None}
+    out["repeat"]["copy_accept_len"] = float(copied[repeats].double().mean()) if bool(repeats.any()) else None
     return out
 
 
@@ -128,20 +139,22 @@ def replay(draft, target_model, rows: Sequence[HeldOutRow], block_size: int, pro
     from dflash_train.features.extract import TargetFeatures
 
     extract = TargetFeatures(target_model, draft.config.target_layer_ids)
-    per_row, everywhere, repeats = [], [], []
+    per_row, everywhere, repeats, copied = [], [], [], []
     for r in tqdm(rows, desc="replay", unit="row", disable=not progress):
         doc = decoded_document(extract, r.prompt_ids, r.answer_ids)
         start = len(r.prompt_ids)
         anchors = torch.arange(start, start + len(r.answer_ids) - 1)
         lengths = block_accept_lengths(draft, doc, anchors, block_size)
         everywhere.append(lengths)
-        repeats.append(repeat_anchors([*r.prompt_ids, *r.answer_ids], anchors.tolist()))
+        flags, copy = repeat_anchors([*r.prompt_ids, *r.answer_ids], anchors.tolist(), block_size)
+        repeats.append(flags)
+        copied.append(copy)
         steps = decode_steps(lengths.tolist(), len(r.answer_ids))
         per_row.append({"row": r.row, "source": r.source, "tokens": len(r.answer_ids) - 1, "steps": len(steps),
                         "committed": steps})
     lengths = torch.cat(everywhere)
     report = {**tau_with_error(per_row), "every_position": float(lengths.double().mean()),
-              "every_position_by_repeat": _split_by_repeat(lengths, torch.cat(repeats)),
+              "every_position_by_repeat": _split_by_repeat(lengths, torch.cat(repeats), torch.cat(copied)),
               "block_size": block_size, "per_row": per_row}
     sources = sorted({r["source"] for r in per_row if r["source"] is not None})
     report["per_source"] = {s: tau_with_error([r for r in per_row if r["source"] == s]) for s in sources}
@@ -261,8 +274,10 @@ def summary_lines(report: dict) -> list[str]:
     split = report.get("every_position_by_repeat")
     if split and split["repeat"]["accept_len"] is not None and split["other"]["accept_len"] is not None:
         lines.append(f"    where the answer repeats earlier text ({REPEAT_NGRAM} tokens and the next seen before; "
-                     f"{split['repeat']['share']:.0%} of positions): {split['repeat']['accept_len']:.3f}; "
-                     f"elsewhere {split['other']['accept_len']:.3f}")
+                     f"{split['repeat']['share']:.0%} of positions): {split['repeat']['accept_len']:.3f}"
+                     + (f" (copying that text: {split['repeat']['copy_accept_len']:.3f})"
+                        if split["repeat"].get("copy_accept_len") is not None else "")
+                     + f"; elsewhere {split['other']['accept_len']:.3f}")
     if "versus" in report:
         v = report["versus"]
         se = "" if v["se"] is None else f" ± {v['se']:.3f}"

@@ -47,10 +47,13 @@ def test_replay_gives_every_prompt_the_steps_that_serving_took(accepting_run, ac
     # every answer position is either a copy of earlier text or not; the two means recompose the whole one
     split = replayed["every_position_by_repeat"]
     flags = [repeat_anchors([*h.prompt_ids, *h.answer_ids],
-                            list(range(len(h.prompt_ids), len(h.prompt_ids) + len(h.answer_ids) - 1))) for h in rows]
+                            list(range(len(h.prompt_ids), len(h.prompt_ids) + len(h.answer_ids) - 1)),
+                            replayed["block_size"])[0] for h in rows]
     flat = [bool(f) for part in flags for f in part.tolist()]
     assert split["repeat"]["share"] == pytest.approx(sum(flat) / len(flat))
     assert split["repeat"]["share"] + split["other"]["share"] == pytest.approx(1.0)
+    if any(flat):
+        assert 1.0 <= split["repeat"]["copy_accept_len"] <= replayed["block_size"]
     assert sum(split[k]["share"] * split[k]["accept_len"] for k in ("repeat", "other")
                if split[k]["accept_len"] is not None) == pytest.approx(replayed["every_position"])
 

@@ -1,0 +1,35 @@
+"""bench/bench_train_step.py --layers on CPU: each depth and width builds the drafter it names, and the table
+reports every variant against the one-layer recipe."""
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def test_each_layers_variant_builds_the_drafter_it_names():
+    from bench_train_step import DEMO_B4, LAYERS, build_step
+
+    for layers, width in LAYERS.values():
+        model, mb = build_step(replace(DEMO_B4, layers=layers, intermediate=width, tokens=256, anchors=16))
+        assert len(model.layers) == layers
+        assert all(layer.mlp.gate_proj.out_features == width for layer in model.layers)
+        assert mb.labels.shape[1] == DEMO_B4.block
+
+
+@pytest.mark.slow
+def test_the_layers_table_gives_every_variant_a_ratio_to_one_layer():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_step.py"), "--layers", "--steps", "1",
+                          "--rounds", "1"], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"(\d) layer\(s\), MLP\s+(\d+): step ([\d.]+) s .*?, ([\d.]+)x layers-1x1536", out.stdout)
+    assert [(int(a), int(b)) for a, b, _, _ in rows] == [(1, 1536), (2, 512), (2, 1536)], out.stdout
+    assert float(rows[0][3]) == 1.0 and all(float(step) > 0 for _, _, step, _ in rows)

@@ -17,12 +17,13 @@ each one's step time against fp32 and its loss and gradient error against fp32.
 probabilities taken in the head's one pass), as the ratio of their step times.
 
 `--layers` compares drafters of other depths and MLP widths at the demo recipe's shape (B=4, 32 anchors per
-document, 4K draft vocabulary, bf16-mixed, prefix weighting): one layer of MLP 1,536 (the recipe until
-round 17), two of 512 and two of 1,536. The variants take turns over `--rounds` rounds, each round a fresh
+document, 4K draft vocabulary, bf16-mixed, prefix weighting): one layer of MLP 1,536 (the recipe), two
+of 512 and two of 1,536 (round 17). The variants take turns over `--rounds` rounds, each round a fresh
 subprocess per variant, and each ratio is the median of its rounds' ratios: a shared machine's drift falls on
 every variant alike.
 
-Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]\n       python bench/bench_train_step.py --layers [--steps 10] [--rounds 3]
+Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]
+       python bench/bench_train_step.py --layers [--steps 10] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -200,14 +201,8 @@ def main() -> None:
     if args.layers:
         _compare_layers(args)
         return
-    results = {}
     names = PRECISIONS if args.precisions else ("bf16-mixed", "prefix-weighting") if args.prefix else ("naive", "ours")
-    for name in names:
-        out = subprocess.run([sys.executable, __file__, "--variant", name, "--steps", str(args.steps),
-                              "--vocab", str(args.vocab), "--chunk", str(args.chunk)], capture_output=True, text=True)
-        if out.returncode:
-            sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    results = {name: _one(name, args) for name in names}
     if args.precisions:
         _print_precisions(results, args)
         return
@@ -231,6 +226,7 @@ def main() -> None:
 
 
 def _one(name: str, args) -> dict:
+    """One variant's measurement, in a subprocess of its own (its own peak memory)."""
     out = subprocess.run([sys.executable, __file__, "--variant", name, "--steps", str(args.steps),
                           "--vocab", str(args.vocab), "--chunk", str(args.chunk)], capture_output=True, text=True)
     if out.returncode:

@@ -8,7 +8,9 @@ a plain bf16 HF folder once into the cache; every later call reuses that folder.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -155,10 +157,14 @@ def dtype_name(dtype) -> str:
 def cache_kwarg(model) -> str:
     """The name a transformers model's forward (and `generate`) takes its cache under: `cache` since
     transformers 5.24 (`past_key_values` is deprecated there and removed in 5.40), `past_key_values` before
-    (5.17, the GPU machines')."""
-    import inspect
+    (5.17, the GPU machines'). Read once per forward function: the decoding loops ask every step."""
+    forward = model.forward
+    return _cache_kwarg_of(getattr(forward, "__func__", forward))
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+@functools.lru_cache(maxsize=64)
+def _cache_kwarg_of(forward) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def cache_arg(model, cache) -> dict:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.data.packing import Document, PackedBatch, pack_documents, to_device
+from dflash_train.data.repeats import repeat_anchors
 from dflash_train.model.modeling_dflash import DFlashDraftModel
 from dflash_train.model.train_layout import TrainLayout, train_layout
 from dflash_train.train.anchors import (
@@ -86,7 +87,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
                      context_pad: int | None = None, row_weight: dict[int, float] | None = None,
                      loss_row_weight: dict[int, float] | None = None,
                      feature_noise: tuple[float, int] | None = None,
-                     prompt_from: int | None = None) -> MicroBatch:
+                     prompt_from: int | None = None, repeat_weight: float | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     Documents that carry the target's top-k (kl loss) give the micro-batch the top-k of the
@@ -106,6 +107,8 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     prompt_from: also train every prompt position from this one on (`objective.positions: all`; the rows'
     shared template prefix, anchors.shared_prefix_length), on the target's greedy labels (with `labels` dataset,
     the answers' slots keep the dataset's tokens: anchors.with_prompt_positions).
+    repeat_weight: a factor on the slot weights of blocks whose anchor repeats earlier text of its document
+    (data/repeats.py; `objective.repeat_weight`).
     """
     if prompt_from is not None:  # dataset labels keep the answers' tokens and take the target's on the prompts
         docs = [with_prompt_positions(d, prompt_from, answers_from_dataset=labels == "dataset") for d in docs]
@@ -140,6 +143,10 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     if loss_row_weight:
         per_block = [torch.full((a.numel(),), loss_row_weight[row]) for a, row in zip(per_doc, rows, strict=True)]
         weights = weights * torch.cat(per_block)[:, None]
+    if repeat_weight is not None and repeat_weight != 1.0:
+        flags = torch.cat([repeat_anchors(d.input_ids.tolist(), (a - s).tolist(), block_size)[0]
+                           for d, a, s in zip(docs, per_doc, starts, strict=True)])
+        weights = weights * torch.where(flags, repeat_weight, 1.0)[:, None]
     layout = train_layout(anchors, packed.doc_start[anchors], packed.positions, block_size, ctx_pad=context_pad)
     target_topk = None
     if packed.target_topk_ids is not None:

@@ -114,6 +114,7 @@ def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], ep
                             loss_row_weight=row_weight if o.balance_sources else None,
                             feature_noise=None if every_anchor else (o.feature_noise, recipe.drafter.num_features),
                             prompt_from=source.prompt_start() if o.positions == "all" and not every_anchor else None,
+                            repeat_weight=None if every_anchor else o.repeat_weight,
                             anchors=[anchor_candidates(d.loss_mask) for d in docs] if every_anchor else None)
 
 

@@ -16,7 +16,8 @@ import json
 import pytest
 from conftest import ACCEPTING_MAX_NEW_TOKENS, ACCEPTING_PROMPTS, run_dflash_train
 
-from dflash_train.eval.replay import load_heldout_rows, repeat_anchors
+from dflash_train.data.repeats import repeat_anchors
+from dflash_train.eval.replay import load_heldout_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(3600)]
 

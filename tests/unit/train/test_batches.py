@@ -664,3 +664,33 @@ def test_prompt_positions_reach_the_training_microbatch_only():
     assert int(on_answer.sum()) > 50 and int(on_prompt.sum()) > 20
     assert torch.equal(both.labels[on_answer], both.packed.input_ids[slot[on_answer]])  # the dataset's tokens
     assert torch.equal(both.labels[on_prompt], step.labels[on_prompt])  # the target's, as with greedy labels
+
+
+def test_repeat_weight_scales_the_blocks_that_repeat_earlier_text_and_reaches_training_only():
+    """objective.repeat_weight: blocks whose anchor's 3 tokens and next one occur earlier in the same document
+    (data/repeats.py) weigh w in the loss, the others 1; positions are each document's own, so a second
+    document's copy of the first is not a repeat; the held-out check weighs all alike."""
+    from dflash_train.train.loop import _microbatch
+    from dflash_train.train.recipe import load_recipe
+
+    lap = [11, 12, 13, 14, 15]
+    first, second = random_docs([20, 30], seed=3)
+    first.input_ids[5:20] = torch.tensor(lap * 3)  # a loop of period 5 in the first document's answer
+    second.input_ids[:15] = torch.tensor(lap * 3)  # the same text in the second: its own first lap does not repeat
+    docs = {7: first, 9: second}
+    overrides = ["objective.positions=answers", "drafter.block_size=4", "objective.anchors_per_document=64"]
+    plain = _microbatch(load_recipe("recipes/smollm2-135m-demo.yaml", overrides).recipe, Rows(docs), [7, 9], 0,
+                        torch.device("cpu"))
+    recipe = load_recipe("recipes/smollm2-135m-demo.yaml", [*overrides, "objective.repeat_weight=4"]).recipe
+    step = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"))
+    assert torch.equal(plain.anchors, step.anchors)
+    # every candidate is sampled: the first document's anchors 12..18 (its answer starts at 6, the loop at 5) and
+    # the second's 10..13 (its answer starts at 10, the loop at 0) repeat: their 3-gram and next token were seen
+    # in an earlier lap of their own document
+    doc = step.packed.doc_ids[step.anchors]
+    local = step.anchors - torch.where(doc == 0, 0, len(first))
+    repeats = ((doc == 0) & (local >= 12) & (local <= 18)) | ((doc == 1) & (local >= 10) & (local <= 13))
+    assert int(repeats.sum()) == 11 and bool((~repeats).any())
+    assert torch.allclose(step.weights, plain.weights * torch.where(repeats, 4.0, 1.0)[:, None])
+    check = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"), every_anchor=True)
+    assert float(check.weights.max()) == 1.0

@@ -679,8 +679,8 @@ def test_repeat_weight_scales_the_blocks_that_repeat_earlier_text_and_reaches_tr
     second.input_ids[:15] = torch.tensor(lap * 3)  # the same text in the second: its own first lap does not repeat
     docs = {7: first, 9: second}
     overrides = ["objective.positions=answers", "drafter.block_size=4", "objective.anchors_per_document=64"]
-    plain = _microbatch(load_recipe("recipes/smollm2-135m-demo.yaml", overrides).recipe, Rows(docs), [7, 9], 0,
-                        torch.device("cpu"))
+    plain = _microbatch(load_recipe("recipes/smollm2-135m-demo.yaml", [*overrides, "objective.repeat_weight=1"]).recipe,
+                        Rows(docs), [7, 9], 0, torch.device("cpu"))
     recipe = load_recipe("recipes/smollm2-135m-demo.yaml", [*overrides, "objective.repeat_weight=4"]).recipe
     step = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"))
     assert torch.equal(plain.anchors, step.anchors)

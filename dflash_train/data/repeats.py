@@ -4,7 +4,8 @@
 A block anchored at j repeats earlier text when the `n` tokens ending at j and the token after them occur
 earlier in the sequence (prompt included): the context holds what the block should propose, and copying it
 (prompt-lookup decoding) gets it right. The replay splits its acceptance there from elsewhere
-(eval/replay.py); training can weigh those blocks up (`objective.repeat_weight`).
+(eval/replay.py); training can weigh those blocks up or down (`objective.repeat_weight`: the CPU demo's one-layer
+drafter, which cannot copy, weighs them half).
 """
 
 from __future__ import annotations

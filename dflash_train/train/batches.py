@@ -134,7 +134,8 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
         doc_weight = [1.0] * len(anchors)
     block_weight = torch.cat([torch.full((a.numel(),), w, dtype=torch.float32)
                               for a, w in zip(anchors, doc_weight, strict=True)]) if anchors else torch.zeros(0)
-    per_doc = [a.long() + s for a, s in zip(anchors, starts, strict=True)]
+    in_doc = anchors  # per document, its own positions
+    per_doc = [a.long() + s for a, s in zip(in_doc, starts, strict=True)]
     anchors = torch.cat(per_doc) if per_doc else torch.zeros(0, dtype=torch.long)
     lab, src = block_labels(anchors, packed.input_ids, packed.loss_mask, packed.greedy_next,
                             packed.doc_end[anchors], block_size, labels)
@@ -144,8 +145,8 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
         per_block = [torch.full((a.numel(),), loss_row_weight[row]) for a, row in zip(per_doc, rows, strict=True)]
         weights = weights * torch.cat(per_block)[:, None]
     if repeat_weight is not None and repeat_weight != 1.0:
-        flags = torch.cat([repeat_anchors(d.input_ids.tolist(), (a - s).tolist(), block_size)[0]
-                           for d, a, s in zip(docs, per_doc, starts, strict=True)])
+        flags = torch.cat([repeat_anchors(d.input_ids.tolist(), a.tolist(), block_size)[0]
+                           for d, a in zip(docs, in_doc, strict=True)])
         weights = weights * torch.where(flags, repeat_weight, 1.0)[:, None]
     layout = train_layout(anchors, packed.doc_start[anchors], packed.positions, block_size, ctx_pad=context_pad)
     target_topk = None

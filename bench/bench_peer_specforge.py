@@ -29,6 +29,7 @@ Usage: python bench/bench_peer_specforge.py --run runs/demo/run --output runs/pe
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -153,7 +154,9 @@ def main() -> None:
     for p in target.parameters():
         p.requires_grad_(False)
     gamma = gamma_arg(args.gamma, recipe.drafter.block_size)
-    model = OnlineDFlashModel(DFlashDraftModel(qconfig).float(), target.lm_head, target.get_input_embeddings(),
+    # the peer trains in fp32: its frozen head and embedding too (the target loads in bf16 where the CPU has bf16 dots)
+    head, embed = copy.deepcopy(target.lm_head).float(), copy.deepcopy(target.get_input_embeddings()).float()
+    model = OnlineDFlashModel(DFlashDraftModel(qconfig).float(), head, embed,
                               mask_token_id=recipe.drafter.mask_token_id, block_size=recipe.drafter.block_size,
                               attention_backend="sdpa", num_anchors=o.anchors_per_document,
                               loss_decay_gamma=gamma, loss_type=args.loss)

@@ -332,13 +332,28 @@ def _vllm_python() -> str | None:
         return None
     explicit = os.environ.get("DFLASH_VLLM_PYTHON")
     python = Path(explicit) if explicit else DEFAULT_VLLM_VENV / "bin" / "python"
-    if python.is_file() and os.access(python, os.X_OK):
+    name = f"$DFLASH_VLLM_PYTHON ({explicit})" if explicit else f"the vLLM venv's Python ({python})"
+    if not (python.is_file() and os.access(python, os.X_OK)):
+        where = f"{name} is not an executable Python; " if explicit else ""
+    elif _has_vllm(python):
         return str(python)
-    where = f"$DFLASH_VLLM_PYTHON ({explicit}) is not an executable Python; " if explicit else ""
+    else:  # a venv whose vLLM install failed (no wheel for this platform) or was never made
+        where = f"{name} has no vllm module (did `make vllm-venv` fail on this platform?); "
     raise MissingDependencyError(f"--engine vllm: {where}vLLM is not installed here. Install the `serve` extra "
                                  "(`pip install 'dflash-toolkit[serve]'`, GPU), or on CPU build it with "
                                  f"`make vllm-venv` ({DEFAULT_VLLM_VENV}) or point DFLASH_VLLM_PYTHON at a "
                                  "Python that has it; or use --engine hf")
+
+
+def _has_vllm(python: Path) -> bool:
+    """Whether `python` finds a vllm package (found, not imported: ~50 ms, no vLLM start-up)."""
+    import subprocess
+
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return subprocess.run([str(python), "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def stop_ids(tokenizer, renderer) -> list[int]:

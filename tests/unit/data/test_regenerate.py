@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,10 @@ def test_vllm_engine_without_vllm(tmp_path, prepared, monkeypatch):
     with pytest.raises(MissingDependencyError, match=r"DFLASH_VLLM_PYTHON \(.*no-such-python\).*make vllm-venv"):
         regen.regenerate_dataset(None, prepared, tmp_path / "out", engine="vllm")
     assert not (tmp_path / "out").exists()
+    # a Python that runs but has no vLLM (a `make vllm-venv` whose wheel did not exist for the platform)
+    monkeypatch.setenv("DFLASH_VLLM_PYTHON", sys.executable)
+    with pytest.raises(MissingDependencyError, match=r"DFLASH_VLLM_PYTHON \(.*\) has no vllm module.*--engine hf"):
+        regen.regenerate_dataset(None, prepared, tmp_path / "out", engine="vllm")
     summary = regen.regenerate_dataset(None, prepared, tmp_path / "auto", max_new_tokens=NEW, engine="auto")
     assert summary["regeneration"]["turns"] == 4  # auto fell back to HF generate
     with pytest.raises(Exception, match="--engine"):

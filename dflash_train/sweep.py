@@ -137,6 +137,7 @@ def run_result(run: Path, variant: Variant, fraction: float, seconds: dict, seed
         "train_seconds": summary.get("wall_time_s") or seconds.get("train"),
         # the steps alone: what a setting costs (train_seconds also holds the data stages the first run pays)
         "steps_seconds": (summary.get("stage_seconds") or {}).get("steps"), "run": str(run),
+        "machine": summary.get("machine"), "finished_at": summary.get("finished_at"),
         "eval": str(eval_path(run)) if report else None, "replay": replay_result(replay_path(run)),
     }
 
@@ -210,7 +211,10 @@ def run_sweep(out: str | Path, recipe: str | Path | None = None, overrides: list
                     for stage in stages:
                         run_stage(stage, log, prefix=tag)
                     run = run_folder(out, variant, fraction, seed)
-                    results.append(run_result(run, variant, fraction, {s.name: s.seconds for s in stages}, seed))
+                    result = run_result(run, variant, fraction, {s.name: s.seconds for s in stages}, seed)
+                    # a run this sweep found finished (resumed, or copied in) was timed then, maybe elsewhere
+                    result["trained"] = "earlier" if stages[0].status == "cached" else "now"
+                    results.append(result)
     against_baseline(results)
     from dflash_train.machine import machine_facts
 
@@ -297,6 +301,26 @@ def replay_cells(replay: dict | None, sources: list[str] = ()) -> list[str]:
               + (f" ({_diff(per[s])})" if s in per else "") for s in sources]]
 
 
+def timing_notes(sweep: dict) -> list[str]:
+    """The table's footnote on times: which runs were timed before this sweep ran, and on which machine when
+    it was another (their minutes and seconds are not comparable with this sweep's)."""
+    from dflash_train.machine import describe
+
+    earlier = [r for r in sweep["runs"] if r.get("trained") == "earlier"]
+    if not earlier:
+        return []
+    here = sweep.get("machine") or {}
+    elsewhere = sorted({describe(r["machine"]) for r in earlier
+                        if r.get("machine") and describe(r["machine"]) != describe(here)})
+    note = ("† trained before this sweep ran (a resumed sweep, or a run copied in from another): its minutes and "
+            "seconds were measured then, under that moment's load; compare times between unmarked rows")
+    if elsewhere:
+        note += f"; measured on other hardware: {'; '.join(elsewhere)}"
+    if any(not r.get("machine") for r in earlier):
+        note += "; runs trained before 2026-12-04 do not record their machine"
+    return ["", note + "."]
+
+
 def markdown_table(sweep: dict) -> str:
     """One row per run; with several seeds, a second table of each setting's mean and spread over its seeds."""
     results = sweep["runs"]
@@ -311,11 +335,14 @@ def markdown_table(sweep: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         name = _setting(r) + ("" if r.get("seed") is None else f", seed {r['seed']}")
+        mark = " †" if r.get("trained") == "earlier" else ""
         cells = [name, " ".join(f"`{o}`" for o in r["overrides"]) or "-", str(r["train_rows"]), str(r["steps"]),
-                 num(r["train_seconds"] and r["train_seconds"] / 60, "{:.1f}"), num(r.get("steps_seconds"), "{:.0f}"),
+                 num(r["train_seconds"] and r["train_seconds"] / 60, "{:.1f}") + mark,
+                 num(r.get("steps_seconds"), "{:.0f}") + mark,
                  num(r["val_accept_len"]), num(r.get("fit_accept_len")), num(r["tau"]),
                  *[num(r["tau_by_source"].get(s)) for s in sources], *replay_cells(r.get("replay"), replayed)]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += timing_notes(sweep)
     if any((r.get("replay") or {}).get("unpaired") for r in results):
         lines += ["", "other rows: the variant changes the held-out answers themselves (another regeneration), so "
                   "its replay is not paired with the baseline's; replay both drafters on one run's rows "

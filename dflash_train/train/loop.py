@@ -25,6 +25,7 @@ import torch
 from dflash_train import compiled
 from dflash_train.data.packing import plan_microbatches
 from dflash_train.errors import ConfigError
+from dflash_train.machine import machine_facts
 from dflash_train.train import checkpointing as ckpt
 from dflash_train.train.anchors import anchor_candidates
 from dflash_train.train.auto_dtypes import dtype_fields, resolve_auto_dtypes
@@ -382,6 +383,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             # the dtypes that ran and the layer that set each (`auto: this CPU has avx512_bf16`)
             "dtypes": dtype_fields(resolved),
             "wall_time_s": round(time.time() - t_start, 2), "stage_seconds": lap.final(),
+            # where and when the seconds above were measured (a sweep that reuses this run says so beside them)
+            "machine": machine_facts(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "final": str(final), "eval": None, "profile": profile.summary,  # logging.profile_steps
         }
         write_summary(output / "summary.json", summary)

@@ -73,12 +73,21 @@ logging: {{log_every: 1, eval_every: 100, progress: false}}
     assert len(table) == 2 + 2 and "tau chat" in table[0] and "tau math" in table[0]
     assert table[2].startswith("| baseline (0.5 of the rows) | - | 12 |") and res.stdout.count("| baseline") == 2
     assert (out / "sweep.png").stat().st_size > 10_000
+    # each run records where and when it was timed
+    assert all(r["trained"] == "now" and r["machine"]["cores"] == os.cpu_count() and r["finished_at"]
+               for r in runs.values()) and "†" not in "".join(table)
 
-    # a rerun trains nothing: every stage is cached, and the table is the same
+    # a rerun trains nothing: every stage is cached, and the table is the same but for its times, now marked as
+    # measured before this sweep ran
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("cached") == 6 and " ok in " not in again.stdout
-    assert json.loads((out / "sweep.json").read_text())["runs"] == sweep["runs"]
+    rerun = json.loads((out / "sweep.json").read_text())["runs"]
+    assert [r["trained"] for r in rerun] == ["earlier", "earlier"]
+    assert [{**r, "trained": "now"} for r in rerun] == sweep["runs"]
+    marked = (out / "sweep.md").read_text().splitlines()
+    assert all(line.count(" †") == 2 for line in marked[2:4]) and marked[5].startswith("† trained before this sweep")
+    assert "other hardware" not in marked[5]  # the same machine
 
     # --no-decode: a new setting is trained and replayed, never decoded; its tau comes from the replay alone
     fast = subprocess.run([*argv[:argv.index("--fractions")], "--no-decode", "--variant", "lr: optim.lr=2.0e-3"],
@@ -153,6 +162,30 @@ def test_the_table_has_a_column_per_source(tmp_path):
     write_outputs(tmp_path, sweep)
     assert json.loads((tmp_path / "sweep.json").read_text()) == sweep
     assert (tmp_path / "sweep.md").read_text() == markdown_table(sweep) and (tmp_path / "sweep.png").is_file()
+
+
+def test_times_of_runs_trained_before_the_sweep_are_marked_with_their_machine():
+    from dflash_train.sweep import markdown_table
+
+    here = {"cpu": "AMD EPYC", "cores": 2, "bf16_instructions": ["avx512_bf16"]}
+    there = {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2, "bf16_instructions": []}
+    run = {"variant": "baseline", "overrides": [], "fraction": 1.0, "train_rows": 100, "steps": 40,
+           "train_seconds": 90.0, "steps_seconds": 61.4, "val_accept_len": 2.0, "fit_accept_len": 2.25, "tau": None,
+           "tau_by_source": {}, "trained": "earlier", "machine": there}
+    sweep = {"machine": here, "runs": [run, {**run, "variant": "lr", "trained": "now", "machine": here,
+                                             "steps_seconds": 50.2}]}
+    lines = markdown_table(sweep).splitlines()
+    assert "| 1.5 † | 61 † |" in lines[2] and "| 1.5 | 50 |" in lines[3] and "†" not in lines[3]
+    assert lines[5] == ("† trained before this sweep ran (a resumed sweep, or a run copied in from another): its "
+                        "minutes and seconds were measured then, under that moment's load; compare times between "
+                        "unmarked rows; measured on other hardware: Intel(R) Xeon(R) Processor, 2 cores, bf16 "
+                        "instructions: none.")
+    # a run from before runs recorded their machine
+    old = markdown_table({"machine": here, "runs": [{**run, "machine": None}]}).splitlines()
+    assert old[-1].endswith("runs trained before 2026-12-04 do not record their machine.")
+    assert "other hardware" not in old[-1]
+    # every run trained by this sweep: no mark, no note
+    assert "†" not in markdown_table({"machine": here, "runs": [{**run, "trained": "now", "machine": here}]})
 
 
 def test_seeds_are_parsed_and_named():

@@ -22,8 +22,15 @@ of 512 and two of 1,536 (round 17). The variants take turns over `--rounds` roun
 subprocess per variant, and each ratio is the median of its rounds' ratios: a shared machine's drift falls on
 every variant alike.
 
+`--anchor-slot` compares the recipe's step (one layer of 1,536) with the last layer computing the anchor's slot
+0 and dropping its output, as before 2026-12-04, against skipping that work (`forward_train(anchor_slot=False)`),
+in the same interleaved rounds. `--kernels` compares the same step with the head's epilogue and the layers' norms,
+SwiGLU and RoPE eager (the CPU default: `objective.head`, `objective.layer_kernels` auto) and compiled (Inductor's
+C++ kernels; the first, untimed step compiles).
+
 Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]
        python bench/bench_train_step.py --layers [--steps 10] [--rounds 3]
+       python bench/bench_train_step.py --anchor-slot | --kernels [--steps 10] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -134,6 +141,24 @@ PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 # the demo recipe since round 8: blocks of 4, 32 anchors per document, ~6 documents in 1,024 tokens
 DEMO_B4 = replace(SMOLLM2, vocab=4096, block=4, anchors=192)
 LAYERS = {"layers-1x1536": (1, 1536), "layers-2x512": (2, 512), "layers-2x1536": (2, 1536)}
+# --anchor-slot: the last layer computing slot 0's output and dropping it (before 2026-12-04) against skipping it
+ANCHOR_SLOT = {"anchor-slot-computed": True, "anchor-slot-skipped": False}
+# --kernels: the head's epilogue and the layers' norms, SwiGLU and RoPE eager (the CPU default) or compiled
+KERNELS = {"kernels-eager": "eager", "kernels-compiled": "compiled"}
+
+
+def _compute_the_anchor_slot() -> None:
+    """Make every training forward compute slot 0 through the last layer and then drop it: the step before
+    `forward_train(anchor_slot=False)` skipped that work (the same numbers, the old cost)."""
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+
+    forward = DFlashDraftModel.forward_train
+
+    def computed(self, *args, anchor_slot=True, **kwargs):
+        out = forward(self, *args, anchor_slot=True, **kwargs)
+        return out if anchor_slot else out[:, 1:]
+
+    DFlashDraftModel.forward_train = computed
 
 
 def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
@@ -143,10 +168,15 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     from dflash_train.train.batches import microbatch_loss
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    depth = LAYERS.get(name)  # bf16-mixed with prefix weighting at the B=4 demo's shape, this depth and width
+    if ANCHOR_SLOT.get(name):
+        _compute_the_anchor_slot()
+    # bf16-mixed with prefix weighting at the B=4 demo's shape, this depth and width (--anchor-slot: the recipe's)
+    depth = LAYERS.get(name) or (LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS} else None)
+    kernels = KERNELS.get(name, "eager")
     prefix = name == "prefix-weighting" or depth is not None  # objective.prefix_weighting on
     if depth is not None:
         model, mb = build_step(replace(DEMO_B4, layers=depth[0], intermediate=depth[1]))
+        model.use_fused_ops(kernels == "compiled")
     else:
         model, mb = build_step(DEMO) if name in PRECISIONS or prefix else _setup(vocab)
     if name == "bf16":  # DeepSpeed's bf16 engine holds the drafter (and the frozen head) in bf16
@@ -162,7 +192,8 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
             loss = _naive_loss(model, mb)
         else:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16-mixed" or prefix):
-                loss, _ = microbatch_loss(model, mb, attention="split", chunk=chunk, prefix_weighting=prefix)
+                loss, _ = microbatch_loss(model, mb, attention="split", chunk=chunk, prefix_weighting=prefix,
+                                          head=kernels)
         (loss / mb.weight_sum).backward()
         losses.append(float(loss) / mb.weight_sum)
         if i == 0:
@@ -189,7 +220,11 @@ def main() -> None:
                     help="compare the demo's bf16-mixed step without and with objective.prefix_weighting instead")
     ap.add_argument("--layers", action="store_true",
                     help="compare drafter depths and MLP widths at the B=4 demo's shape instead")
-    ap.add_argument("--rounds", type=int, default=3, help="--layers: turns of every variant")
+    ap.add_argument("--anchor-slot", action="store_true",
+                    help="compare the demo recipe's step with the last layer computing slot 0 and skipping it instead")
+    ap.add_argument("--kernels", action="store_true",
+                    help="compare the demo recipe's step with its head epilogue and layer kernels eager and compiled")
+    ap.add_argument("--rounds", type=int, default=3, help="--layers, --anchor-slot, --kernels: turns of every variant")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -198,8 +233,8 @@ def main() -> None:
     from dflash_train.machine import describe, machine_facts
 
     print(f"machine: {describe(machine_facts())}")
-    if args.layers:
-        _compare_layers(args)
+    if args.layers or args.anchor_slot or args.kernels:
+        _compare_in_turns(args, LAYERS if args.layers else ANCHOR_SLOT if args.anchor_slot else KERNELS)
         return
     names = PRECISIONS if args.precisions else ("bf16-mixed", "prefix-weighting") if args.prefix else ("naive", "ours")
     results = {name: _one(name, args) for name in names}
@@ -234,11 +269,11 @@ def _one(name: str, args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _compare_layers(args) -> None:
-    """Every LAYERS variant in turn, `args.rounds` times; each variant's step against the first's, per round."""
+def _compare_in_turns(args, variants: dict) -> None:
+    """Every variant in turn, `args.rounds` times; each variant's step against the first's, per round."""
     import statistics
 
-    names = list(LAYERS)
+    names = list(variants)
     rounds = [{name: _one(name, args)["step_s"] for name in names} for _ in range(args.rounds)]
     s = DEMO_B4
     print(f"T={s.tokens} anchors={s.anchors} B={s.block} vocab={s.vocab}, bf16-mixed, prefix weighting, "
@@ -246,8 +281,8 @@ def _compare_layers(args) -> None:
     for name in names:
         steps = [r[name] for r in rounds]
         ratio = statistics.median(r[name] / r[names[0]] for r in rounds)
-        layers, width = LAYERS[name]
-        print(f"  {layers} layer(s), MLP {width:5d}: step {statistics.median(steps):.3f} s (median; "
+        label = "{} layer(s), MLP {:5d}".format(*variants[name]) if variants is LAYERS else name
+        print(f"  {label}: step {statistics.median(steps):.3f} s (median; "
               f"{min(steps):.3f}-{max(steps):.3f}), {ratio:.2f}x {names[0]}")
 
 

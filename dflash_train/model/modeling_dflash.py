@@ -163,26 +163,27 @@ class DFlashAttention(nn.Module):
         return self._out(o)
 
     # training: many blocks over a packed context ----------------------------------------------
-    def forward_train(self, h, cos, sin, ctx_k, ctx_v, layout: TrainLayout, attention: str):
-        """h [N, B, H]; ctx_k/v [Hkv, T, d]. Returns [N, B, H]."""
-        q = self.project_queries(h, cos, sin)  # [N, Hq, B, d]
+    def forward_train(self, h, cos, sin, ctx_k, ctx_v, layout: TrainLayout, attention: str, first_query: int = 0):
+        """h [N, B, H]; ctx_k/v [Hkv, T, d]. Returns [N, B - first_query, H]: the outputs of slots
+        first_query.. (every slot's keys and values are still read). Split attention computes only those
+        slots' queries; flex and dense compute every slot and drop the first ones."""
         k_blk, v_blk = self.project_kv(h, cos, sin)  # [N, Hkv, B, d]
+        q_from = first_query if attention == "split" else 0
+        q = self.project_queries(h[:, q_from:], cos[:, q_from:], sin[:, q_from:])  # [N, Hq, B - q_from, d]
         if attention == "flex":  # the kernel reads the shared kv heads itself (GQA)
             from dflash_train.model.flex import flex_training_attention
 
-            return self._out(flex_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout.flex_mask(self.window),
-                                                     self.scale))
+            o = flex_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout.flex_mask(self.window), self.scale)
+            return self._out(o[:, :, first_query:])
         ctx_k, ctx_v = self._expand_kv(ctx_k), self._expand_kv(ctx_v)
         k_blk, v_blk = self._expand_kv(k_blk), self._expand_kv(v_blk)
         if attention == "split":
-            o = self._split_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)
-        elif attention == "dense":
-            o = self._dense_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)
-        else:
-            raise ValueError(f"attention {attention!r}: choose split, dense or flex")
-        return self._out(o)
+            return self._out(self._split_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from))
+        if attention == "dense":
+            return self._out(self._dense_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)[:, :, first_query:])
+        raise ValueError(f"attention {attention!r}: choose split, dense or flex")
 
-    def _split_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout):
+    def _split_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from: int = 0):
         """Exact attention without the dense mask: one softmax over [own context ; own block].
 
         Blocks are taken a run at a time (`layout.segments()`: at most `chunk_blocks` blocks of
@@ -192,13 +193,14 @@ class DFlashAttention(nn.Module):
         the [N*B, T + N*B] mask and never scoring a block against another document. When
         gradients are needed each run is checkpointed: its scores and probabilities are freed
         after the forward and recomputed in the backward, so memory holds one run's scores,
-        not every block's.
+        not every block's. `q` holds the queries of slots q_from.. only.
         """
         blk_ok = layout.block_allowed(self.window)
+        blk_ok = None if blk_ok is None else blk_ok[q_from:]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_blk, v_blk, ctx_k, ctx_v))
         outs = []
         for lo, hi, c0, c1 in layout.segments():
-            allowed = layout.context_allowed(self.window, lo, hi, c0, c1)
+            allowed = layout.context_allowed(self.window, lo, hi, c0, c1)[:, :, q_from:]
             args = (q[lo:hi], k_blk[lo:hi], v_blk[lo:hi], ctx_k[:, c0:c1], ctx_v[:, c0:c1], allowed, blk_ok)
             if grad:
                 outs.append(torch.utils.checkpoint.checkpoint(self._attend_run, *args, use_reentrant=False))
@@ -250,9 +252,10 @@ class DFlashDecoderLayer(nn.Module):
                                                         ctx_positions, block_positions))
         return self._mlp_residual(h)
 
-    def forward_train(self, h, cos, sin, ctx_k, ctx_v, layout, attention):
-        h = h + self._drop(self.self_attn.forward_train(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, layout,
-                                                        attention))
+    def forward_train(self, h, cos, sin, ctx_k, ctx_v, layout, attention, first_query: int = 0):
+        """[N, B, H] -> [N, B - first_query, H]: the outputs of slots first_query.."""
+        h = h[:, first_query:] + self._drop(self.self_attn.forward_train(self.input_layernorm(h), cos, sin, ctx_k,
+                                                                         ctx_v, layout, attention, first_query))
         return self._mlp_residual(h)
 
 
@@ -402,19 +405,24 @@ class DFlashDraftModel(nn.Module):
 
     # training -------------------------------------------------------------------------------
     def forward_train(self, features: torch.Tensor, block_embeds: torch.Tensor, layout: TrainLayout,
-                      attention: str = "split") -> torch.Tensor:
+                      attention: str = "split", anchor_slot: bool = True) -> torch.Tensor:
         """Many blocks over one packed sequence.
 
         features [T, n_aux*H_t] context features of the packed sequence; block_embeds [N, B, H];
-        layout: anchors, documents and positions. Returns post-norm hidden states [N, B, H].
+        layout: anchors, documents and positions. Returns post-norm hidden states [N, B, H], or
+        [N, B - 1, H] without the anchor's slot (anchor_slot=False): slot 0 holds the given token, never
+        a prediction, so the last layer needs its keys and values only; split attention then skips its
+        query, attention row, output projection and MLP (a quarter of the last layer's block work at B=4).
         """
         ctx = self.project_context(features)
         ctx_cos, ctx_sin = self.rotary_emb(layout.ctx_positions, ctx.dtype)
         cos, sin = self.rotary_emb(layout.block_positions, block_embeds.dtype)
         h = block_embeds
         checkpoint = self.activation_checkpointing and torch.is_grad_enabled()
-        for layer in self.layers:
-            args = (layer, h, cos, sin, ctx, ctx_cos, ctx_sin, layout, attention)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            first_query = 0 if anchor_slot or i < last else 1
+            args = (layer, h, cos, sin, ctx, ctx_cos, ctx_sin, layout, attention, first_query)
             h = (torch.utils.checkpoint.checkpoint(_train_layer, *args, use_reentrant=False) if checkpoint
                  else _train_layer(*args))
         return self.norm(h)
@@ -437,9 +445,9 @@ class DFlashDraftModel(nn.Module):
                     lin.weight.mul_(1.0 / math.sqrt(2 * len(self.layers)))
 
 
-def _train_layer(layer, h, cos, sin, ctx, ctx_cos, ctx_sin, layout, attention):
+def _train_layer(layer, h, cos, sin, ctx, ctx_cos, ctx_sin, layout, attention, first_query=0):
     ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
-    return layer.forward_train(h, cos, sin, ctx_k, ctx_v, layout, attention)
+    return layer.forward_train(h, cos, sin, ctx_k, ctx_v, layout, attention, first_query)
 
 
 def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:

@@ -232,7 +232,10 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
     first = mb.packed.input_ids[mb.anchors]
     embeds = model.embed(to_device(model.block_ids(first)[:, : mb.labels.shape[1]], device))
     layout = mb.layout.to(device)
-    hidden = model.forward_train(to_device(mb.packed.features, device), embeds, layout, attention=attention)
+    # slot 0 (the anchor's given token) is never labelled: the drafter skips its outputs, [N, B - 1, H]
+    hidden = model.forward_train(to_device(mb.packed.features, device), embeds, layout, attention=attention,
+                                 anchor_slot=False)
+    width = mb.labels.shape[1]
     labels = model.target_to_draft(to_device(mb.labels, device).flatten().index_select(0, index))
     keep = labels != IGNORE  # reduced vocab: labels outside it cannot be scored
     w = to_device(mb.weights, device).flatten().index_select(0, index)
@@ -245,7 +248,7 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
         tids, p, keep = topk_soft_targets(model.target_to_draft(ids.long()), logp, labels, kl_temperature)
         target = (tids, p)
     with full_head_weight(model) as weight:
-        rows = hidden.flatten(0, 1).index_select(0, index)
+        rows = hidden.flatten(0, 1).index_select(0, index - index // width - 1)  # block n, slot k: n(B-1) + k-1
         reweight = None
         if prefix_weighting:  # a label outside a reduced vocabulary is never drafted: probability 0
             shape = tuple(mb.labels.shape)

@@ -33,3 +33,21 @@ def test_the_layers_table_gives_every_variant_a_ratio_to_one_layer():
     rows = re.findall(r"(\d) layer\(s\), MLP\s+(\d+): step ([\d.]+) s .*?, ([\d.]+)x layers-1x1536", out.stdout)
     assert [(int(a), int(b)) for a, b, _, _ in rows] == [(1, 1536), (2, 512), (2, 1536)], out.stdout
     assert float(rows[0][3]) == 1.0 and all(float(step) > 0 for _, _, step, _ in rows)
+
+
+def test_the_anchor_slot_variants_give_the_same_loss_and_gradient():
+    """--anchor-slot's baseline computes slot 0 through the last layer and drops it, as the step did before: the
+    same loss and feature-projection gradient as the step that skips it, or its ratio would compare other maths."""
+    import json
+
+    runs = {}
+    for name in ("anchor-slot-computed", "anchor-slot-skipped"):
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_step.py"), "--variant", name,
+                              "--steps", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                             env={**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    a, b = runs["anchor-slot-computed"], runs["anchor-slot-skipped"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+    assert max(abs(x - y) for x, y in zip(a["fc_grad"], b["fc_grad"], strict=True)) < 1e-3 * max(
+        abs(x) for x in a["fc_grad"])

@@ -124,6 +124,48 @@ def test_split_attention_equals_dense_reference_forward_and_backward(tiny_config
         torch.testing.assert_close(g_s[name], g_d[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("attention", ["split", "dense"])
+@pytest.mark.parametrize("layers,sliding", [(1, False), (2, False), (2, True)])
+def test_without_the_anchor_slot_the_other_slots_and_gradients_are_unchanged(tiny_config, attention, layers, sliding):
+    """anchor_slot=False drops slot 0's output (split attention: its query, output projection and MLP in the last
+    layer): slots 1.. and every gradient through them stay what the full forward gives."""
+    update = {"num_hidden_layers": layers}
+    if sliding:  # the last layer slides: its in-block mask loses slot 0's row
+        update |= {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 6}
+    cfg = tiny_config.model_copy(update=update)
+    feats, ids, doc_start, positions = _packed(cfg, [25, 40])
+    anchors = torch.tensor([1, 12, 26, 50, 63])
+    results = {}
+    for anchor_slot in (True, False):
+        model = _model(cfg)
+        layout = train_layout(anchors, doc_start[anchors], positions, cfg.block_size, chunk_blocks=2)
+        f = feats.clone().requires_grad_(True)
+        out = model.forward_train(f, model.embed(model.block_ids(ids[anchors])), layout, attention=attention,
+                                  anchor_slot=anchor_slot)
+        out = out[:, 1:] if anchor_slot else out
+        assert out.shape == (len(anchors), cfg.block_size - 1, cfg.hidden_size)
+        (out * torch.linspace(-1, 1, out.shape[-1])).mean().backward()
+        results[anchor_slot] = (out.detach(), f.grad, {n: p.grad for n, p in model.named_parameters()})
+    (out_a, fg_a, g_a), (out_b, fg_b, g_b) = results[True], results[False]
+    torch.testing.assert_close(out_b, out_a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fg_b, fg_a, rtol=0, atol=1e-5)
+    for name in g_a:
+        torch.testing.assert_close(g_b[name], g_a[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert g_b["layers.0.self_attn.k_proj.weight"].abs().sum() > 0  # slot 0's keys still reach the loss
+
+
+def test_flex_without_the_anchor_slot_drops_slot_0_only(tiny_config):
+    model = _model(tiny_config)
+    feats, ids, doc_start, positions = _packed(tiny_config, [30, 34])
+    anchors = torch.tensor([3, 20, 31, 50])
+    blocks = model.embed(model.block_ids(ids[anchors]))
+    with torch.no_grad():  # torch 2.13 has no flex-attention backward on CPU
+        full = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "flex")
+        rest = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "flex",
+                                   anchor_slot=False)
+    torch.testing.assert_close(rest, full[:, 1:], rtol=0, atol=1e-5)
+
+
 def test_flex_attention_forward_equals_dense(tiny_config):
     model = _model(tiny_config)
     feats, ids, doc_start, positions = _packed(tiny_config, [30, 34])

@@ -125,10 +125,12 @@ class _FusedHeadLoss(torch.autograd.Function):
             logits = _mm(h, w.t())
             wt = weights[s:e].float()
             lab = labels[s:e]
-            if reweight is not None:  # -log p(label), one more reduction over the chunk's logits
-                label_nll[s:e] = logits.logsumexp(-1) - logits.gather(1, lab[:, None]).squeeze(1)
+            if reweight is not None and kind != "ce":  # -log p(label): one more pass over the chunk's logits
+                label_nll[s:e] = -torch.log_softmax(logits, -1).gather(1, lab[:, None]).squeeze(1)
             if kind == "ce":  # d = softmax; the grad is softmax - onehot, the onehot part taken below
                 row_loss[s:e], preds[s:e], d = head_epilogue.ce(logits, lab, grad_dtype, compiled)
+                if reweight is not None:  # the row's CE is -log p(label)
+                    label_nll[s:e] = row_loss[s:e]
             else:  # soft CE against p over its k ids, plus sum p log p (no grad): KL(p || q); see head_loss
                 row_loss[s:e], preds[s:e], d = head_epilogue.kl(logits, target_ids[s:e], target_p[s:e].float(),
                                                                grad_dtype, compiled)

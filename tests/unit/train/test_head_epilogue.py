@@ -143,3 +143,27 @@ def test_the_training_step_runs_the_head_it_is_asked_for(monkeypatch, head, expe
                                  target_hidden=32, features=2, tokens=96, anchors=8, block=4), "cpu", torch.float32)
     microbatch_loss(model, mb, chunk=64, head=head)
     assert sorted(set(seen)) == expected
+
+
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+def test_the_exp_floor_leaves_widely_spread_logits_exact(kind):
+    """A trained head's log-probabilities reach far below the exp floor (-87, where torch's CPU exp turns slow):
+    the epilogue's loss, argmax and dL/dlogits there equal float64 maths without the floor."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 512, generator=g) * 40  # log-probabilities down to about -300
+    labels = torch.randint(0, 512, (64,), generator=g)
+    ids = torch.stack([torch.randperm(512, generator=g)[:6] for _ in range(64)])
+    p = torch.softmax(torch.randn(64, 6, generator=g), -1)
+    logp64 = torch.log_softmax(logits.double(), -1)
+    assert (logp64 < head_epilogue.EXP_FLOOR).float().mean() > 0.5
+    if kind == "ce":
+        loss, preds, d = head_epilogue.ce_chunk(logits.clone(), labels, torch.float32)
+        ref_loss, ref_d = -logp64.gather(1, labels[:, None]).squeeze(1), logp64.exp()
+    else:
+        loss, preds, d = head_epilogue.kl_chunk(logits.clone(), ids, p, torch.float32)
+        p64 = p.double()
+        ref_loss = (torch.xlogy(p64, p64) - p64 * logp64.gather(1, ids)).sum(-1)
+        ref_d = logp64.exp().scatter_add(1, ids, -p64)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(d.double(), ref_d, rtol=1e-5, atol=1e-6)
+    assert torch.equal(preds, logits.argmax(-1))

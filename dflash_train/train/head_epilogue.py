@@ -31,11 +31,11 @@ import torch
 
 from dflash_train.compiled import call
 
-
 # torch's CPU exp (and logsumexp, which calls it) takes a slow path where a float32 result would fall below the
 # smallest normal float, an input under about -87: 10-25x the fast path. A trained head's log-probabilities over
 # 4,096 ids reach far below it: on 2 Zen 4 cores (2026-12-04) logsumexp and exp over [640, 4096] such logits took
-# 15 and 14 ms instead of ~1.3, about a fifth of the demo's step. So the log-probabilities come from log_softmax
+# 15 and 14 ms instead of ~1.3 (bench/bench_cpu_epilogue.py), and the demo's 1,800 steps 252 s instead of 242
+# (the profile of a step early in training put them at a fifth of it). So the log-probabilities come from log_softmax
 # (its own kernel is fast at any input) and are floored here before exp: each probability moves by at most
 # exp(-87) = 1.6e-38. Compiled (a GPU), the floor is one more max in the fused kernel.
 EXP_FLOOR = -87.0

@@ -154,27 +154,18 @@ def test_without_the_anchor_slot_the_other_slots_and_gradients_are_unchanged(tin
     assert g_b["layers.0.self_attn.k_proj.weight"].abs().sum() > 0  # slot 0's keys still reach the loss
 
 
-def test_flex_without_the_anchor_slot_drops_slot_0_only(tiny_config):
+def test_flex_attention_forward_equals_dense_with_and_without_the_anchor_slot(tiny_config):
     model = _model(tiny_config)
     feats, ids, doc_start, positions = _packed(tiny_config, [30, 34])
     anchors = torch.tensor([3, 20, 31, 50])
     blocks = model.embed(model.block_ids(ids[anchors]))
+    layout = train_layout(anchors, doc_start[anchors], positions, 8)
     with torch.no_grad():  # torch 2.13 has no flex-attention backward on CPU
-        full = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "flex")
-        rest = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "flex",
-                                   anchor_slot=False)
-    torch.testing.assert_close(rest, full[:, 1:], rtol=0, atol=1e-5)
-
-
-def test_flex_attention_forward_equals_dense(tiny_config):
-    model = _model(tiny_config)
-    feats, ids, doc_start, positions = _packed(tiny_config, [30, 34])
-    anchors = torch.tensor([3, 20, 31, 50])
-    blocks = model.embed(model.block_ids(ids[anchors]))
-    with torch.no_grad():  # torch 2.13 has no flex-attention backward on CPU
-        dense = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "dense")
+        dense = model.forward_train(feats, blocks, layout, "dense")
         flex = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "flex")
+        rest = model.forward_train(feats, blocks, layout, "flex", anchor_slot=False)
     torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
+    torch.testing.assert_close(rest, dense[:, 1:], rtol=0, atol=1e-5)
 
 
 def test_split_runs_stay_inside_one_document_and_stop_at_their_last_anchor(tiny_config):

@@ -22,7 +22,7 @@ timeout -k 5 "$((DEADLINE + 10))" python3 bench/bench_gpu_all.py --deadline "$DE
   --json "$OUT/parts.jsonl" --markdown "$OUT/table.md" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 if [ -d runs/demo-gpu ]; then
-  find runs/demo-gpu -maxdepth 3 -type f \( -name '*.json' -o -name '*.md' -o -name '*.txt' -o -name '*.log' -o -name '*.yaml' \) -size -4M \
+  find runs/demo-gpu -maxdepth 3 -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.txt' -o -name '*.log' -o -name '*.yaml' \) -size -4M \
     | tar -czf "$OUT/demo-gpu.tgz" -T - 2>/dev/null
 fi
 tail -30 "$OUT/bench.log"

@@ -106,7 +106,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     side = lanes(replay_device())
     beside_the_eval(stages, side)
     with open(out / "demo.log", "a") as log:
-        run_lanes(stages, log, side)
+        run_lanes(stages, log, side, journal=out / "stages.jsonl")
     from dflash_train.eval.teacher_forced import headline as teacher_forced_headline
     from dflash_train.machine import machine_facts
 
@@ -150,16 +150,17 @@ def stage_seconds(stages: list[Stage], earlier: dict) -> dict:
     return {s.name: earlier.get(s.name) if s.status == "cached" else round(s.seconds, 1) for s in stages}
 
 
-def run_lanes(stages: list[Stage], log, side: list[tuple[str, ...]] | None = None) -> None:
+def run_lanes(stages: list[Stage], log, side: list[tuple[str, ...]] | None = None, journal: Path | None = None) -> None:
     """The stages in order, except those of the `side` lanes (default: the CPU side lane), which start once the
     drafter is converted and run each in a thread beside the rest; their log lines are kept apart and appended,
-    lane by lane, when every lane is done. A failure in any lane is raised after all have stopped."""
+    lane by lane, when every lane is done. A failure in any lane is raised after all have stopped. `journal`
+    gets one line per stage as it ends, whichever lane it ran in (`stages.write_journal`)."""
     side = [SIDE_LANE] if side is None else side
     beside = {name for lane in side for name in lane}
     main = [s for s in stages if s.name not in beside]
     split = next(i for i, s in enumerate(main) if s.name == "convert") + 1
     for stage in main[:split]:
-        run_stage(stage, log)
+        run_stage(stage, log, journal=journal)
     allow_stages()
     errors, threads = [], []
     logs = [io.StringIO() for _ in side]
@@ -167,7 +168,7 @@ def run_lanes(stages: list[Stage], log, side: list[tuple[str, ...]] | None = Non
     def run_lane(lane: list[Stage], lane_log) -> None:
         try:
             for stage in lane:
-                run_stage(stage, lane_log)
+                run_stage(stage, lane_log, journal=journal)
         except BaseException as exc:  # noqa: BLE001 - raised in the main thread once every lane stops
             errors.append(exc)
 
@@ -177,7 +178,7 @@ def run_lanes(stages: list[Stage], log, side: list[tuple[str, ...]] | None = Non
         threads[-1].start()
     try:
         for stage in main[split:]:
-            run_stage(stage, log)
+            run_stage(stage, log, journal=journal)
         for thread in threads:
             thread.join()
     except BaseException as exc:  # stopped while the lanes run: theirs stop too (`stages.stop_stages`)

@@ -116,10 +116,36 @@ def out_of_date(stage: Stage) -> str | None:
     return None
 
 
-def run_stage(stage: Stage, log, prefix: str = "[demo]") -> None:
+_journal_lock = threading.Lock()
+
+
+def write_journal(journal: Path | None, stage: Stage, t0: float) -> None:
+    """One JSON line in `journal` as `stage` ends (ok, cached, failed or stopped): what a pipeline cut by a
+    deadline or a kill still says of the stages it finished; the lanes' log lines are only written at the end."""
+    if journal is None:
+        return
+    import json
+
+    line = json.dumps({"stage": stage.name, "status": stage.status, "seconds": round(time.time() - t0, 2),
+                       "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    with _journal_lock, open(journal, "a") as f:
+        f.write(line + "\n")
+
+
+def run_stage(stage: Stage, log, prefix: str = "[demo]", journal: Path | None = None) -> None:
     """Run `stage`, or skip it when its `done` file exists and is not out of date; a failure raises with its
-    output's tail."""
+    output's tail. `journal`: a file that gets one line as the stage ends (`write_journal`)."""
     t0 = time.time()
+    try:
+        _run_stage(stage, log, prefix, t0)
+    except BaseException:
+        stage.status = "stopped" if stage.status == "pending" else stage.status
+        write_journal(journal, stage, t0)
+        raise
+    write_journal(journal, stage, t0)
+
+
+def _run_stage(stage: Stage, log, prefix: str, t0: float) -> None:
     why = out_of_date(stage)
     if why is None and stage.done is not None and stage.done.exists():
         stage.status = "cached"
@@ -173,6 +199,7 @@ def run_stage(stage: Stage, log, prefix: str = "[demo]") -> None:
                 _running.discard(proc)
     stage.seconds = time.time() - t0
     if code not in stage.allowed_exit:
+        stage.status = "failed"
         tail = "\n".join(stage.output[-15:])
         raise DFlashError(f"{prefix.strip('[]')} stage `{stage.name}` failed (exit {code}); its output:\n{tail}")
     stage.status = "ok"

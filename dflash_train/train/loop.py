@@ -235,9 +235,11 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     check_output(output, resolved, resume, sources)
     random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
+    lap("start")  # the process group (DeepSpeed's, its first import included) and the recipe's checks
 
     # setup: target, drafter, data, engine -------------------------------------------------
     target_path = resolve_target(recipe.target)
+    lap("target_files")  # the embedded target's GGUF converted to a transformers folder on a first run
     target_model, tokenizer = load_target(target_path, dtype=target_torch_dtype(recipe.data.target_dtype, world.device),
                                           device=str(world.device))
     lap("load_target")

@@ -46,12 +46,12 @@ def test_demo_gpu_command_runs_every_stage_on_cpu(tmp_path):
     assert summary["replay"]["rows"] == replayed["rows"] == len(holdout["rows"])  # every held-out row
     assert summary["replay"]["tau"] == replayed["tau"] >= 1.0 and set(summary["replay"]["per_source"]) <= {"sharegpt"}
     laps = summary["train_stage_seconds"]
-    assert list(laps) == ["load_target", "prepare_and_regenerate", "features", "setup", "steps", "checks",
+    assert list(laps) == ["start", "target_files", "load_target", "prepare_and_regenerate", "features", "setup", "steps", "checks",
                           "checkpoints", "final"]  # the steps' lap without the checks and checkpoints inside it
     assert all(v >= 0 for v in laps.values()) and sum(laps.values()) <= summary["stage_seconds"]["train"]
     assert summary["dtypes"]["engine.precision"]["set_by"].startswith("auto: ")  # the recipe leaves it to the machine
     assert (tmp_path / "demo-gpu" / "drafter-zlab" / "config.json").is_file()
-    assert re.search(r"train stage seconds\s*│?\s*load_target=", done.stdout), done.stdout[-3000:]
+    assert re.search(r"train stage seconds\s*│?\s*start=", done.stdout), done.stdout[-3000:]
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_gpu_all import headline  # what `make bench-gpu`'s table shows of this demo
 

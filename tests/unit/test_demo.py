@@ -1,6 +1,7 @@
 """dflash_train/demo.py and dflash_train/stages.py: the demo's stages resume the run, may replace their own
 outputs in OUT, and make again an output that is out of date."""
 
+import json
 from pathlib import Path
 
 from dflash_train.demo import demo_stages
@@ -40,10 +41,14 @@ def test_the_side_lane_runs_beside_the_eval_and_logs_after_it(tmp_path):
 
     stages, log = _timed_stages(tmp_path), io.StringIO()
     t0 = time.time()
-    run_lanes(stages, log)
+    run_lanes(stages, log, journal=tmp_path / "stages.jsonl")
     wall = time.time() - t0
     assert all(s.status == "ok" for s in stages)
     by_name = {s.name: s for s in stages}
+    # one journal line per stage as it ended, from both lanes, with the stage's own seconds
+    ended = [json.loads(line) for line in (tmp_path / "stages.jsonl").read_text().splitlines()]
+    assert sorted(e["stage"] for e in ended) == sorted(by_name) and {e["status"] for e in ended} == {"ok"}
+    assert all(abs(e["seconds"] - by_name[e["stage"]].seconds) < 0.5 for e in ended), ended
     # eval and validate each sleep 1.5 s: one after the other they would take 3 s
     assert wall < by_name["eval"].seconds + by_name["validate"].seconds - 0.5, wall
     text = log.getvalue()
@@ -85,9 +90,11 @@ def test_a_failing_side_stage_is_raised_after_the_main_lane_ends(tmp_path):
 
     stages = _timed_stages(tmp_path, side_code="import sys; print('bad config'); sys.exit(3)")
     with pytest.raises(DFlashError, match=r"stage `validate` failed \(exit 3\)(.|\n)*bad config"):
-        run_lanes(stages, io.StringIO())
+        run_lanes(stages, io.StringIO(), journal=tmp_path / "stages.jsonl")
     by_name = {s.name: s for s in stages}
     assert by_name["replay"].status == "ok" and by_name["to-zlab"].status == "pending"
+    ended = {e["stage"]: e["status"] for e in map(json.loads, (tmp_path / "stages.jsonl").read_text().splitlines())}
+    assert ended == {"train": "ok", "convert": "ok", "eval": "ok", "replay": "ok", "validate": "failed"}, ended
 
 
 def test_an_output_older_than_its_input_or_made_otherwise_is_made_again(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +85,53 @@ def headline(part: dict) -> str:
     return (tail.strip().splitlines() or [""])[-1][:120]
 
 
+PROGRESS = re.compile(r"^(?P<label>[^|\n]{0,60}?):?\s*\d+%\|")  # a progress bar's frame: "replay:  57%|█▋ | 62/108"
+
+
+def readable_tail(out: str, chars: int = 3000) -> str:
+    """The last `chars` of a part's output with each progress bar's frames cut to its last one: a cut part's
+    tail would otherwise be its bar's last few hundred frames (the 2026-12-04 demo's), hiding the lines
+    that say which stage it was in."""
+    lines = []
+    for raw in out.replace("\r\n", "\n").split("\n"):
+        line = raw.rsplit("\r", 1)[-1]  # a terminal's in-place updates: the last one is what it showed
+        bar = PROGRESS.match(line)
+        if bar and lines and (last := PROGRESS.match(lines[-1])) and last["label"].strip() == bar["label"].strip():
+            lines[-1] = line
+        else:
+            lines.append(line)
+    return "\n".join(lines)[-chars:]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), whatever its session: a bench's variant runs in a session of
+    its own (bench/variants.py), so killing the part's process group alone left it running on the GPU into
+    the next part (the 2026-12-04 `regen` part, cut, beside `step:flex-1`)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`'s process group and every process below it, in its session or another."""
+    below = descendants(pid)
+    for target in [pid, *below]:
+        try:
+            os.killpg(target, signal.SIGKILL) if target == pid else os.kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def run_part(part: dict, timeout: float) -> dict:
     """Run one part in its own process group; its bench rows come from a fresh `{rows}` file."""
     with tempfile.NamedTemporaryFile("w+", suffix=".jsonl", delete=False) as rows_file:
@@ -96,7 +144,7 @@ def run_part(part: dict, timeout: float) -> dict:
         out, _ = proc.communicate(timeout=timeout)
         status = "ok" if proc.returncode == 0 else "failed"
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the part's own children (a demo's stages) too
+        kill_tree(proc.pid)  # the part's own children (a demo's stages, a bench's variants) too
         out, _ = proc.communicate()
         status = "timeout"
     text = Path(rows_path).read_text() if Path(rows_path).is_file() else ""
@@ -105,7 +153,7 @@ def run_part(part: dict, timeout: float) -> dict:
     if status == "ok" and any("error" in r for r in rows):
         status = "failed"
     return {"part": part["name"], "status": status, "exit_code": proc.returncode, "seconds": round(time.time() - t0, 1),
-            "timeout_s": round(timeout, 1), "rows": rows, "tail": (out or "")[-3000:]}
+            "timeout_s": round(timeout, 1), "rows": rows, "tail": readable_tail(out or "")}
 
 
 def run_plan(plan: list[dict], deadline_s: float, json_path: Path, markdown_path: Path) -> list[dict]:

@@ -66,3 +66,49 @@ def test_the_demo_part_runs_what_make_demo_gpu_runs():
                           cwd=ROOT, check=True).stdout
     line = next(" ".join(x.split()) for x in make.replace("\\\n", " ").splitlines() if "dflash-train demo" in x)
     assert demo[1:] == line.split("dflash-train", 1)[1].split()  # the same recipe, folder, prompts and tokens
+
+
+def test_a_parts_tail_keeps_its_lines_and_each_progress_bars_last_frame():
+    """A real tqdm bar over 400 items (written to a pipe, frames separated by \\r) between the lines a cut demo
+    prints: the tail keeps every line and one frame per bar, its last."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_gpu_all import run_part
+
+    code = ("import sys, time; from tqdm import tqdm\n"
+            "print('[demo] train     ok in 265s', flush=True)\n"
+            "for _ in tqdm(range(400), desc='replay', mininterval=0, file=sys.stderr): pass\n"
+            "print('[demo] eval      ok in 31s', flush=True)\n"
+            "for _ in tqdm(range(300), desc='spec-decode', mininterval=0, file=sys.stderr): pass\n"
+            "print('# stopped in validate', flush=True)")
+    tail = run_part(part("demo", code), timeout=60)["tail"]
+    lines = [line for line in tail.splitlines() if line.strip()]
+    assert [line for line in lines if not line.startswith(("replay", "spec-decode"))] == [
+        "[demo] train     ok in 265s", "[demo] eval      ok in 31s", "# stopped in validate"], lines
+    bars = [line for line in lines if line.startswith(("replay", "spec-decode"))]
+    assert len(bars) == 2 and "400/400" in bars[0] and "300/300" in bars[1], bars
+    assert lines.index(bars[0]) == 1 and lines.index(bars[1]) == 3  # each bar where it ran
+
+
+def test_a_cut_part_takes_a_child_in_another_session_with_it(tmp_path):
+    """bench/variants.py runs each variant in a session of its own; a part cut at its timeout must not leave it
+    running (on a GPU, beside the next part)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_gpu_all import run_part
+
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import os, sys, time; "
+            f"open(sys.argv[1], \"w\").write(str(os.getpid())); time.sleep(300)', {str(pid_file)!r}], "
+            "stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)\n"  # as run_child
+            "time.sleep(300)")
+    result = run_part(part("regen", code), timeout=4)
+    assert result["status"] == "timeout"
+    pid = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        stat = Path(f"/proc/{pid}/stat")
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the part's child {pid} in its own session still runs after the part was cut")

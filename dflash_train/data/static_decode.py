@@ -1,10 +1,12 @@
 """Greedy decoding of one left-padded group over a transformers `StaticCache`, without `generate`.
 
 transformers' `generate` (5.17, the GPU machines') does host work around every decode step: it grows
-`input_ids` and the attention mask by concatenation, rebuilds the model inputs, runs the stopping criteria
-and reads `unfinished_sequences.max() == 0` from the device, so the host waits for each step before it can
-queue the next one. On an H200 at 8275a25 SmolLM2's regeneration ran ~8 ms a decode step (23.9K new
-tokens/s over 512 rows), where the step's weight and KV reads take ~1.5 ms.
+`input_ids` and the attention mask by concatenation, rebuilds the model inputs and runs the stopping criteria.
+(Its "all rows finished" read is deferred by one step there, `DeferredStopCheck`, so the host does not wait
+for the device each step: less for this loop to win than its first reading assumed.) On an H200 at 8275a25
+SmolLM2's regeneration ran ~8 ms a decode step (23.9K new tokens/s over 512 rows), where the step's weight
+and KV reads take ~1.5 ms. Whether this loop beats `generate` there is not yet measured: the 2026-12-04 run
+was cut before its row (docs/gpu.md).
 
 Here, per group: one eager prefill (logits of the last position only), then each decode step is one call of
 the compiled model (with mode "reduce-overhead", a CUDA graph replay) and a few small device ops (argmax,

@@ -103,27 +103,12 @@ def readable_tail(out: str, chars: int = 3000) -> str:
     return "\n".join(lines)[-chars:]
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc), whatever its session: a bench's variant runs in a session of
-    its own (bench/variants.py), so killing the part's process group alone left it running on the GPU into
-    the next part (the 2026-12-04 `regen` part, cut, beside `step:flex-1`)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # ended meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def kill_tree(pid: int) -> None:
-    """SIGKILL `pid`'s process group and every process below it, in its session or another."""
+    """SIGKILL `pid`'s process group and every process below it, in its session or another: a bench's variant
+    runs in a session of its own (bench/variants.py), so killing the part's process group alone left it running
+    on the GPU into the next part (the 2026-12-04 `regen` part, cut, beside `step:flex-1`)."""
+    from serve_shim.launch import descendants
+
     below = descendants(pid)
     for target in [pid, *below]:
         try:

@@ -104,8 +104,8 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _children(pid: int) -> list[int]:
-    """Descendant pids of `pid` (Linux /proc), deepest last."""
+def descendants(pid: int) -> list[int]:
+    """Descendant pids of `pid` (Linux /proc), deepest last, whatever their session."""
     parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -124,13 +124,13 @@ def _children(pid: int) -> list[int]:
 def _stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
     """SIGTERM (dflash-serve forwards it to the engine), then SIGKILL whatever is left, by pid."""
     if proc.poll() is None:
-        descendants = _children(proc.pid)
+        below = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
-        for pid in [proc.pid, *descendants]:
+        for pid in [proc.pid, *below]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

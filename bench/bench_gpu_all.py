@@ -79,7 +79,8 @@ def headline(part: dict) -> str:
         if " passed" in line or " failed" in line:
             return line.strip("= ").strip()
     if part.get("rows"):
-        keys = ("step_ms", "tokens_per_s", "new_tokens_per_s", "peak_gib", "bound_fraction", "error")
+        keys = ("partial", "step_ms", "tokens_per_s", "new_tokens_per_s", "tok_s", "peak_gib", "bound_fraction",
+                "error")
         row = part["rows"][-1]
         return ", ".join(f"{k} {row[k]}" for k in keys if k in row) or f"{len(part['rows'])} rows"
     return (tail.strip().splitlines() or [""])[-1][:120]

@@ -15,6 +15,8 @@ Eval steps/s is not measured here: dflash_train/eval is being changed for GPU de
 Variants (`--list`): `regen` (1), `regen-f25d61f` (2), `regen-generate` (2b) and `features` (3). The rows are prepared once, then
 each variant runs in its own subprocess under `--timeout`; every finished variant appends one JSON line
 to `--json` at once and a failed one is a row with its error while the run goes on (bench/variants.py).
+A regeneration variant also writes a row as each of its passes ends (`partial`: "pass 1 of 2"), so a
+run cut by a deadline keeps the passes it finished.
 When `regen` runs before a baseline in one call, the baseline's row says how many rows they agree on and
 how much faster `regen` was.
 
@@ -38,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_features import measure_features, sync  # noqa: E402 - the sibling bench, shared
-from variants import add_arguments, answered, commit, run_all, run_child  # noqa: E402
+from variants import add_arguments, answered, append_row, commit, run_all, run_child  # noqa: E402
 
 VARIANTS = {"regen": "regeneration, this toolkit's HF path (static cache and compiled decode on CUDA): new tokens/s",
             "regen-f25d61f": "regeneration, f25d61f's HF path (dynamic cache, eager, one generate call)",
@@ -50,9 +52,10 @@ BASELINES = ("regen-f25d61f", "regen-generate")  # each compared with `regen` wh
 
 
 def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int, today: bool = False,
-                         greedy_loop: bool = True) -> dict:
+                         greedy_loop: bool = True, each_pass=None) -> dict:
     """Two passes of `regenerate_batch` (the loop of `regenerate`) over the first `rows` conversations of `data`
-    (`today`: f25d61f's path; `greedy_loop=False`: greedy rows through `generate`)."""
+    (`today`: f25d61f's path; `greedy_loop=False`: greedy rows through `generate`). `each_pass(row)` gets each
+    pass's seconds and new tokens as it ends."""
     from dflash_train.data.hf_generate import HFGenerator
     from dflash_train.data.prepare import load_prepared, read_summary
     from dflash_train.data.regenerate import regenerate_batch, stop_ids
@@ -75,6 +78,10 @@ def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int
         out = regenerate_batch(convs, gen, renderer, max_length)
         sync(device)
         passes.append((time.perf_counter() - t0, sum(info["new_tokens"] for _, info in out)))
+        if each_pass is not None:
+            took, new = passes[-1]
+            each_pass({"partial": f"pass {len(passes)} of {1 if today else 2}", "rows": len(convs), "seconds": took,
+                       "new_tokens": new, "tok_s": new / took})
     seconds, new = passes[-1]
     prompts = [renderer.prompt_ids(c[:[m["role"] for m in c].index("assistant")]) for c in convs]
     return {"rows": len(convs), "new_tokens": new, "seconds": seconds, "tok_s": new / seconds,
@@ -94,8 +101,12 @@ def _child(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     device, data, work = spec["device"], Path(spec["data"]), Path(spec["work"])
     if spec["kind"] in ("regen", *BASELINES):
+        def each_pass(row: dict) -> None:  # in the rows file at once: a part cut by its deadline keeps its passes
+            append_row(spec.get("json"), {**spec.get("context", {}), "variant": spec["kind"], **row})
+
         r = measure_regeneration(data, spec["regen_rows"], device, spec["max_new_tokens"],
-                                 today=spec["kind"] == "regen-f25d61f", greedy_loop=spec["kind"] != "regen-generate")
+                                 today=spec["kind"] == "regen-f25d61f", greedy_loop=spec["kind"] != "regen-generate",
+                                 each_pass=each_pass)
         r["row_sha"] = [_sha(m) for m in r.pop("messages")]
         return r
     from dflash_train.features.cache import batch_tokens_that_fit, bytes_per_token
@@ -169,7 +180,8 @@ def main() -> None:
         prepare_dataset(None, args.data, work / "data", max_samples=max(args.regen_rows, args.feature_rows),
                         max_length=args.max_length, max_turns=1)
         base = {"device": device, "data": str(work / "data"), "work": str(work), "threads": args.threads,
-                "regen_rows": args.regen_rows, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
+                "regen_rows": args.regen_rows, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                "json": args.json, "context": context}
 
         def run_one(variant: str) -> dict:
             r = run_child(__file__, {**base, "kind": variant}, args.timeout)

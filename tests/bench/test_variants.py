@@ -102,3 +102,16 @@ def test_a_git_archive_of_the_benches_still_names_its_commit(tmp_path):
                          text=True, cwd=tmp_path / "proj" / "bench", env={"PATH": "/usr/bin:/bin", "GIT_DIR": "/nonexistent"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == head.stdout.strip()
+
+
+def test_a_regeneration_variant_writes_each_pass_as_it_ends(tmp_path):
+    """`regen` writes a row per pass before its own (a part cut by its deadline keeps what it finished: the
+    2026-12-04 H200 run lost both passes), and its row's numbers are its last pass's."""
+    rows = tmp_path / "rows.jsonl"
+    out = _bench("bench_gpu_data.py", "--smoke", "--variant", "regen", "--json", rows)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second, row = _rows(rows)
+    assert (first["partial"], second["partial"]) == ("pass 1 of 2", "pass 2 of 2") and "partial" not in row
+    assert first["variant"] == second["variant"] == row["variant"] == "regen" and first["commit"] == row["commit"]
+    assert row["first_s"] == first["seconds"] and row["seconds"] == second["seconds"] and row["tok_s"] == second["tok_s"]
+    assert second["new_tokens"] == row["new_tokens"] > 0

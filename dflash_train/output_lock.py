@@ -69,12 +69,20 @@ def output_lock(path: str | Path | None, flag: str, command: str, *, wait: bool 
     while not p.exists():
         made.append(p)
         p = p.parent
-    fd = None
+    fd, races = None, 0
     try:
         while fd is None:
             try:
                 lock.parent.mkdir(parents=True, exist_ok=True)  # again: a previous owner may have removed it
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except (FileExistsError, FileNotFoundError):
+                # the previous owner removed the folder it made between mkdir's checks, or between the mkdir and
+                # the open: again (seen once in CI, where the lock was then taken as impossible and skipped)
+                races += 1
+                if races < 50:
+                    continue
+                yield
+                return
             except OSError:
                 yield  # no lock file possible here: the command's own write checks refuse it
                 return

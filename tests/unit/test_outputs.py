@@ -488,3 +488,23 @@ def test_a_signal_between_the_two_renames_of_a_replace_waits_for_the_second(tmp_
         idle.set()
     assert seen[1] == "out" and (out / "a.txt").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old folder removed all the same
+
+
+def test_a_lock_folder_removed_by_its_last_owner_meanwhile_is_made_again(tmp_path, monkeypatch):
+    """The owner that made the entry's folder removes it as it ends: a waiter's mkdir or open can meet that
+    race (CI, once). It must take the lock anyway, not run without one."""
+    from dflash_train.output_lock import lock_path, output_lock
+
+    entry = tmp_path / "cache" / "abc123"
+    real_mkdir, raced = Path.mkdir, []
+
+    def racing_mkdir(self, *args, **kwargs):
+        if not raced:  # as pathlib raises when the folder went between its two checks
+            raced.append(self)
+            raise FileExistsError(17, "File exists", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", racing_mkdir)
+    with output_lock(entry, "the data cache", "train", wait=True):
+        assert raced and json.loads(lock_path(entry).read_text())["pid"] == os.getpid()
+    assert not lock_path(entry).exists()

@@ -110,10 +110,10 @@ def kill_tree(pid: int) -> None:
     on the GPU into the next part (the 2026-12-04 `regen` part, cut, beside `step:flex-1`)."""
     from serve_shim.launch import descendants
 
-    below = descendants(pid)
-    for target in [pid, *below]:
+    below = descendants(pid)  # before the group goes: then they are no longer below it
+    for kill, target in [(os.killpg, pid), *((os.kill, child) for child in below)]:
         try:
-            os.killpg(target, signal.SIGKILL) if target == pid else os.kill(target, signal.SIGKILL)
+            kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
 

@@ -71,8 +71,8 @@ def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int
     if today:  # f25d61f: one generate call for the whole batch on CUDA, 32 rows per call on CPU
         gen.free_bytes = None
         gen.max_rows = len(convs) if device == "cuda" else 32
-    passes = []
-    for _ in range(1 if today else 2):
+    passes, count = [], 1 if today else 2
+    for _ in range(count):
         sync(device)
         t0 = time.perf_counter()
         out = regenerate_batch(convs, gen, renderer, max_length)
@@ -80,7 +80,7 @@ def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int
         passes.append((time.perf_counter() - t0, sum(info["new_tokens"] for _, info in out)))
         if each_pass is not None:
             took, new = passes[-1]
-            each_pass({"partial": f"pass {len(passes)} of {1 if today else 2}", "rows": len(convs), "seconds": took,
+            each_pass({"partial": f"pass {len(passes)} of {count}", "rows": len(convs), "seconds": took,
                        "new_tokens": new, "tok_s": new / took})
     seconds, new = passes[-1]
     prompts = [renderer.prompt_ids(c[:[m["role"] for m in c].index("assistant")]) for c in convs]

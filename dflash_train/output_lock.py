@@ -75,15 +75,12 @@ def output_lock(path: str | Path | None, flag: str, command: str, *, wait: bool 
             try:
                 lock.parent.mkdir(parents=True, exist_ok=True)  # again: a previous owner may have removed it
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            except (FileExistsError, FileNotFoundError):
+            except OSError as exc:
                 # the previous owner removed the folder it made between mkdir's checks, or between the mkdir and
                 # the open: again (seen once in CI, where the lock was then taken as impossible and skipped)
-                races += 1
-                if races < 50:
+                if isinstance(exc, (FileExistsError, FileNotFoundError)) and races < 50:
+                    races += 1
                     continue
-                yield
-                return
-            except OSError:
                 yield  # no lock file possible here: the command's own write checks refuse it
                 return
             try:

@@ -139,10 +139,11 @@ def run_stage(stage: Stage, log, prefix: str = "[demo]", journal: Path | None = 
     try:
         _run_stage(stage, log, prefix, t0)
     except BaseException:
-        stage.status = "stopped" if stage.status == "pending" else stage.status
-        write_journal(journal, stage, t0)
+        if stage.status == "pending":  # cut before it ended (a failed stage says so itself)
+            stage.status = "stopped"
         raise
-    write_journal(journal, stage, t0)
+    finally:
+        write_journal(journal, stage, t0)
 
 
 def _run_stage(stage: Stage, log, prefix: str, t0: float) -> None:

@@ -31,16 +31,27 @@ DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m
 SIDE_LANE = ("validate", "to-zlab", "serve")  # CPU work, run beside the eval and the replay
 
 
-def beside_the_eval(stages: list[Stage], side: list[tuple[str, ...]]) -> None:
-    """The stages that run beside the eval get one CPU thread each: they are start-up bound (imports, loading),
-    or a GPU's, while the eval's decoding uses every core; without this each starts a thread per core
-    beside the eval's. On the H200 machine's 16 cores the eval's first prompt took 33 s while they ran and
-    ~5 s a prompt after (8275a25; the cause is not measured). On 2 cores it changes nothing measurable: eval
-    of 8 prompts 75 s beside them uncapped, 80 s capped, 70-77 s alone (2026-11-27)."""
+def beside_the_eval(stages: list[Stage], side: list[tuple[str, ...]], cores: int | None = None) -> None:
+    """Threads for the stages that run at once: one each for the stages of the side lanes (start-up bound:
+    imports, loading; or a GPU's), and for the eval, which starts with them, every other core where that leaves
+    it at least 3/4 of them; else every core.
+
+    Oversubscribed, torch's OpenMP threads wait at every op for the one that lost its core: on 2 cores, 4
+    prompts decoded in 7.2 s alone with 2 threads, 19.7 s with 2 threads beside one busy process, 7.1 s with 1
+    thread beside it. On the H200 machine's 16 cores, 16 threads beside the replay and the side lane (~47 s of
+    the eval's ~58) decoded 4 prompts in 35.5 s (304cfdf; at 8275a25 the first prompt took 33 s while they ran,
+    ~5 s a prompt after). But a core given up is given up for the whole eval: on 2 cores the demo's 24 batched
+    prompts decoded in 70.6 s with 1 thread against 40.1 s with 2 beside the side lane's ~11 s (2026-12-04).
+    The replay, on a CPU, runs after the eval, once the side lane has long finished, and keeps every core."""
+    from dflash_train.machine import usable_cores
+
     names = {name for lane in side for name in lane}
+    cores = cores or usable_cores()
     for stage in stages:
         if stage.name in names:
             stage.threads = 1
+        elif stage.name == "eval" and 4 * (cores - len(side)) >= 3 * cores:
+            stage.threads = cores - len(side)
 
 
 def lanes(device: str) -> list[tuple[str, ...]]:

@@ -36,12 +36,17 @@ def cpu_facts(cpuinfo: str) -> dict:
             "bf16_instructions": [f for f in BF16_FLAGS if f in flags]}
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it, else every core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine_facts() -> dict:
     import torch
 
     info = Path("/proc/cpuinfo")
     facts = cpu_facts(info.read_text(errors="replace")) if info.is_file() else cpu_facts("")
-    facts.update(cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__)
+    facts.update(cores=usable_cores(), torch_threads=torch.get_num_threads(), torch=torch.__version__)
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name()
     return facts

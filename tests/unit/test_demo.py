@@ -140,19 +140,27 @@ def test_a_cached_stage_keeps_the_seconds_it_took_when_it_ran():
         {"eval": 12.3, "train": 2495.1, "serve": None}
 
 
-def test_the_stages_beside_the_eval_get_one_thread_and_the_eval_every_core(tmp_path):
+def test_the_stages_beside_the_eval_get_one_thread_and_the_eval_the_other_cores(tmp_path):
     import io
 
     from dflash_train.demo import beside_the_eval, lanes
+    from dflash_train.machine import usable_cores
     from dflash_train.stages import Stage, run_stage
 
-    for device in ("cpu", "cuda"):
+    # the eval's: every core but the other lanes', where that keeps 3/4 of them; else every core (the default)
+    for device, cores, eval_threads in (("cpu", 2, None), ("cpu", 4, 3), ("cpu", 16, 15), ("cuda", 16, 14),
+                                        ("cuda", 4, None), ("cuda", 8, 6)):
         stages = demo_stages(tmp_path, Path("recipe.yaml"), [], 4, 8, device)
-        beside_the_eval(stages, lanes(device))
+        beside_the_eval(stages, lanes(device), cores=cores)
         threads = {s.name: s.threads for s in stages}
         assert threads["validate"] == threads["to-zlab"] == threads["serve"] == 1
-        assert threads["train"] is threads["convert"] is threads["eval"] is None
+        assert threads["eval"] == eval_threads
+        assert threads["train"] is threads["convert"] is None
         assert threads["replay"] == (1 if device == "cuda" else None)  # on a CPU it runs after the eval, alone
+    stages = demo_stages(tmp_path, Path("recipe.yaml"), [], 4, 8, "cpu")
+    beside_the_eval(stages, lanes("cpu"))  # this machine's cores
+    cores = usable_cores()
+    assert next(s.threads for s in stages if s.name == "eval") == (cores - 1 if cores >= 4 else None)
     # what the subprocess sees: torch's intra-op threads
     one = Stage("validate", _py("import torch; print(torch.get_num_threads())"), threads=1)
     run_stage(one, io.StringIO())

@@ -43,6 +43,7 @@ def default_plan() -> list[dict]:
             {"name": "demo-gpu", "argv": [str(Path(PY).parent / "dflash-train"), "demo", "--config",
                                           "recipes/smollm2-135m-demo-gpu.yaml", "--output", "runs/demo-gpu",
                                           "--num-prompts", "4", "--max-new-tokens", "128"], "max_s": 420},
+            {"name": "eval-gpu", "argv": eval_on_the_gpu(), "max_s": 90},
             # the greedy loop, then the path before it in the same call: the row says the ratio and equal rows
             {"name": "regen", "argv": [PY, f"{bench}/bench_gpu_data.py", "--variant", "regen", "--variant",
                                        "regen-generate", "--json", "{rows}"], "max_s": 300},
@@ -55,6 +56,19 @@ def default_plan() -> list[dict]:
         plan.append({"name": f"step:{v}", "argv": [PY, f"{bench}/bench_train_gpu.py", "--variant", v, *steps,
                                                    "--json", "{rows}"], "max_s": 230 if v == "train" else 150})
     return plan
+
+
+def eval_on_the_gpu(out: str = "runs/demo-gpu", prompts: int = 4, new_tokens: int = 128) -> list[str]:
+    """The demo-gpu part's eval stage run again on the GPU, into `eval-gpu.json` beside the demo's own (which
+    decodes on the CPU): the same drafter, prompts and tokens, to say which device the demo's eval should use.
+    A part, not a demo stage, until it is measured: it needs the demo-gpu part's drafter."""
+    sys.path.insert(0, str(ROOT))
+    from dflash_train.demo import demo_stages
+
+    folder = Path(out)
+    eval_stage = next(s for s in demo_stages(folder, Path("recipe.yaml"), [], prompts, new_tokens) if s.name == "eval")
+    mine = {str(folder / "eval.json"): str(folder / "eval-gpu.json"), str(folder / "eval.png"): str(folder / "eval-gpu.png")}
+    return [mine.get(a, a) for a in eval_stage.argv] + ["--device", "cuda"]
 
 
 # the demo table's rows a bench table shows (label in `dflash-train demo`'s table -> name in the cell)

@@ -68,6 +68,22 @@ def test_the_demo_part_runs_what_make_demo_gpu_runs():
     assert demo[1:] == line.split("dflash-train", 1)[1].split()  # the same recipe, folder, prompts and tokens
 
 
+def test_the_eval_gpu_part_evaluates_the_demo_parts_drafter_on_the_gpu_into_its_own_file():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_gpu_all import default_plan
+
+    plan = {p["name"]: p["argv"] for p in default_plan()}
+    names = list(plan)
+    assert names.index("eval-gpu") == names.index("demo-gpu") + 1  # right after the demo that makes its drafter
+    demo, argv = plan["demo-gpu"], plan["eval-gpu"]
+    out, prompts, tokens = (demo[demo.index(flag) + 1] for flag in ("--output", "--num-prompts", "--max-new-tokens"))
+    assert Path(argv[0]).name == "dflash-train" and argv[1] == "eval"
+    for flag, value in (("--draft", f"{out}/drafter"), ("--prompts", f"{out}/run"), ("--num-prompts", prompts),
+                        ("--max-new-tokens", tokens), ("--json", f"{out}/eval-gpu.json"), ("--device", "cuda")):
+        assert argv[argv.index(flag) + 1] == value, flag
+    assert f"{out}/eval.json" not in argv  # never over the demo's own eval
+
+
 def test_a_parts_tail_keeps_its_lines_and_each_progress_bars_last_frame():
     """A real tqdm bar over 400 items (written to a pipe, frames separated by \\r) between the lines a cut demo
     prints: the tail keeps every line and one frame per bar, its last."""

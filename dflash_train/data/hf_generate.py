@@ -144,7 +144,7 @@ class HFGenerator:
 
     def __init__(self, target_path, tokenizer, stop_ids: list[int], max_new_tokens: int, temperature: float,
                  device: str | None = None, static_cache: bool | None = None, compile_config=None,
-                 dtype: str = "auto", greedy_loop: bool = True):
+                 dtype: str = "auto", greedy_loop: bool = True, compile_step: bool = True):
         import torch
 
         from dflash_train.target import load_target, target_torch_dtype
@@ -165,6 +165,9 @@ class HFGenerator:
             use_gqa_decode(self.model)
         self.compile_config = compile_config
         self.greedy_loop = greedy_loop  # False: greedy rows also go through `generate` (the bench's baseline)
+        # False: the greedy loop's decode step runs eager on CUDA too (the bench's `regen-eager`: whether a small
+        # regeneration gains more from the compile than the compile costs it on a cold machine)
+        self.compile_step = compile_step
         self._step = None  # the decode step's (compiled) model call, made at the first greedy static group
         self.max_rows = MAX_ROWS_CUDA if self.static else MAX_ROWS_CPU
         self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
@@ -248,7 +251,8 @@ class HFGenerator:
         sample = self.temperature > 0
         if self.static and not sample and self.greedy_loop:  # our decode loop, no host sync per step
             if self._step is None:
-                self._step = static_decode.compiled_forward(self.model, self.compile_config, self.device)
+                self._step = (static_decode.compiled_forward(self.model, self.compile_config, self.device)
+                              if self.compile_step else self.model.__call__)
             new_tokens = static_decode.greedy_decode(self.model, self._step, ids.to(self.device), mask.to(self.device),
                                                      self._static_cache(n, width), self.max_new_tokens, self.stop_ids,
                                                      self.pad_id).tolist()

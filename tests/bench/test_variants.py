@@ -26,7 +26,7 @@ def _rows(path):
 @pytest.mark.parametrize("script, names", [
     ("bench_train_gpu.py", ["split-1", "flex-1", "dense-1", "split-5", "flex-5", "dense-5", "flex-ckpt-5",
                            "flex-1-eager", "flex-5-eager", "flex-5-eager-head", "flex-5-eager-layers", "train"]),
-    ("bench_gpu_data.py", ["regen", "regen-f25d61f", "regen-generate", "features"])])
+    ("bench_gpu_data.py", ["regen", "regen-f25d61f", "regen-generate", "regen-eager", "features"])])
 def test_list_prints_every_variant_and_an_unknown_one_is_refused(script, names):
     out = _bench(script, "--list", timeout=60)
     assert out.returncode == 0, out.stderr
@@ -108,10 +108,14 @@ def test_a_regeneration_variant_writes_each_pass_as_it_ends(tmp_path):
     """`regen` writes a row per pass before its own (a part cut by its deadline keeps what it finished: the
     2026-12-04 H200 run lost both passes), and its row's numbers are its last pass's."""
     rows = tmp_path / "rows.jsonl"
-    out = _bench("bench_gpu_data.py", "--smoke", "--variant", "regen", "--json", rows)
+    out = _bench("bench_gpu_data.py", "--smoke", "--variant", "regen", "--variant", "regen-eager", "--json", rows)
     assert out.returncode == 0, out.stderr[-2000:]
-    first, second, row = _rows(rows)
+    first, second, row, *eager = _rows(rows)
     assert (first["partial"], second["partial"]) == ("pass 1 of 2", "pass 2 of 2") and "partial" not in row
     assert first["variant"] == second["variant"] == row["variant"] == "regen" and first["commit"] == row["commit"]
     assert row["first_s"] == first["seconds"] and row["seconds"] == second["seconds"] and row["tok_s"] == second["tok_s"]
     assert second["new_tokens"] == row["new_tokens"] > 0
+    # the eager loop after it: its own passes, then a row compared with `regen`'s (on a CPU both are eager)
+    assert [r.get("partial") for r in eager] == ["pass 1 of 2", "pass 2 of 2", None]
+    assert eager[-1]["variant"] == "regen-eager" and eager[-1]["identical_rows"] == row["rows"] and eager[-1]["speedup"] > 0
+    assert "| regeneration, this toolkit's HF path, decode step eager |" in out.stdout and "first pass" in out.stdout

@@ -41,7 +41,8 @@ def beside_the_eval(stages: list[Stage], side: list[tuple[str, ...]], cores: int
     thread beside it. On the H200 machine's 16 cores, 16 threads beside the replay and the side lane (~47 s of
     the eval's ~58) decoded 4 prompts in 35.5 s (304cfdf; at 8275a25 the first prompt took 33 s while they ran,
     ~5 s a prompt after). But a core given up is given up for the whole eval: on 2 cores the demo's 24 batched
-    prompts decoded in 70.6 s with 1 thread against 40.1 s with 2 beside the side lane's ~11 s (2026-12-04).
+    prompts decoded in 70.6 s with 1 thread against 40.1 s with 2 beside the side lane's ~11 s (2026-12-04;
+    `bench/bench_eval_threads.py` measures the four cases on any machine).
     The replay, on a CPU, runs after the eval, once the side lane has long finished, and keeps every core."""
     from dflash_train.machine import usable_cores
 

@@ -93,12 +93,33 @@ def headline(part: dict) -> str:
     for line in reversed(tail.splitlines()):
         if " passed" in line or " failed" in line:
             return line.strip("= ").strip()
+    lines = tail.strip().splitlines()
+    if lines and PYTEST_DOTS.match(lines[-1]):  # pytest cut before its closing line: its progress characters
+        ran = sum(len(PYTEST_DOTS.match(line)[1]) for line in lines if PYTEST_DOTS.match(line))
+        bad = sum(line.count("F") + line.count("E") for line in lines if PYTEST_DOTS.match(line))
+        return f"{ran} tests run before the cut, {bad} failed or in error"
     if part.get("rows"):
-        keys = ("partial", "step_ms", "tokens_per_s", "new_tokens_per_s", "tok_s", "peak_gib", "bound_fraction",
-                "error")
-        row = part["rows"][-1]
-        return ", ".join(f"{k} {row[k]}" for k in keys if k in row) or f"{len(part['rows'])} rows"
-    return (tail.strip().splitlines() or [""])[-1][:120]
+        last: dict[str, dict] = {}  # each variant's last row: its own, or its last pass when it was cut
+        for row in part["rows"]:
+            last[row.get("variant", "")] = row
+        cells = []
+        for variant, row in last.items():
+            figures = ", ".join(f"{k} {_figure(row[k])}" for k in HEADLINE_KEYS if k in row)
+            cells.append(f"{variant}: {figures}" if variant and figures else figures or variant)
+        return "; ".join(c for c in cells if c) or f"{len(part['rows'])} rows"
+    return (lines or [""])[-1][:120]
+
+
+HEADLINE_KEYS = ("partial", "step_ms", "step_s", "tokens_per_s", "new_tokens_per_s", "tok_s", "first_s", "peak_gib",
+                 "bound_fraction", "error")
+PYTEST_DOTS = re.compile(r"^([.FEsxX]+)(\s+\[\s*\d+%\])?\s*$")  # a line of pytest -q's progress
+
+
+def _figure(value) -> str:
+    """A number as a table shows it: whole above 100, two decimals above 1, three significant digits below."""
+    if isinstance(value, bool) or not isinstance(value, float):
+        return str(value)
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
 
 
 PROGRESS = re.compile(r"^(?P<label>[^|\n]{0,60}?):?\s*\d+%\|")  # a progress bar's frame: "replay:  57%|█▋ | 62/108"

@@ -128,3 +128,22 @@ def test_a_cut_part_takes_a_child_in_another_session_with_it(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the part's child {pid} in its own session still runs after the part was cut")
+
+
+def test_a_headline_names_each_variants_last_row_in_short_figures_and_counts_a_cut_pytest():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_gpu_all import headline
+
+    # the 2026-12-04 `regen` part, cut: the loop's two passes and its row, then the baseline's first pass
+    rows = [{"variant": "regen", "partial": "pass 1 of 2", "tok_s": 1206.920127854829, "seconds": 103.51},
+            {"variant": "regen", "partial": "pass 2 of 2", "tok_s": 30783.00298116176, "seconds": 4.06},
+            {"variant": "regen", "tok_s": 30783.00298116176, "first_s": 103.51140652699999},
+            {"variant": "regen-generate", "partial": "pass 1 of 2", "tok_s": 950.5, "seconds": 131.2}]
+    cell = headline({"status": "timeout", "tail": "", "rows": rows})
+    assert cell == "regen: tok_s 30783, first_s 104; regen-generate: partial pass 1 of 2, tok_s 950"
+    step = headline({"status": "ok", "tail": "", "rows": [{"variant": "flex-1", "step_s": 0.055911575700002915}]})
+    assert step == "flex-1: step_s 0.0559"
+    # `pytest -q` cut by its timeout: only its progress line (the 2026-12-04 GPU tests: 10 of 13)
+    assert headline({"status": "timeout", "tail": "..F.......", "rows": []}) == \
+        "10 tests run before the cut, 1 failed or in error"
+    assert headline({"status": "ok", "tail": "....  [100%]\n== 4 passed in 3.1s ==", "rows": []}) == "4 passed in 3.1s"

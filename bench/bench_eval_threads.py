@@ -28,10 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BUSY = "while True: pass"
 
 
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def decode(draft: str | None, prompts: int, max_new_tokens: int) -> dict:
     """One timed batched decoding in this process (after a one-prompt warm-up): seconds, new tokens."""
     import torch
@@ -98,7 +94,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(decode(args.draft, args.prompts, args.max_new_tokens)))
         return
-    n = cores()
+    from dflash_train.machine import usable_cores
+
+    n = usable_cores()
     busy = args.busy if args.busy is not None else (1 if n <= 4 else 2)
     capped = max(1, n - busy)
     print(f"{n} cores, {busy} busy beside; drafter {args.draft or 'random'}; {args.prompts} prompts x "

@@ -25,6 +25,29 @@ QUESTIONS = ["Tell me about the moon.", "Write a haiku about rain.", "What is 17
              "Explain recursion to a child."]
 
 
+def models_and_prompts(draft_dir: str | None, count: int):
+    """(drafter attached to the target, target, `count` rendered chat prompts, EOS ids): the embedded target in
+    fp32 on the CPU and the drafter of `draft_dir`, or a random 1-layer B=8 one (it accepts nothing)."""
+    from dflash_train.eval.prompts import render_prompts
+    from dflash_train.eval.spec_decode import eos_token_ids
+    from dflash_train.model.checkpoint import load_drafter
+    from dflash_train.model.config import DFlashConfig
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.target import load_target, resolve_target
+
+    target, tokenizer = load_target(resolve_target(None), dtype=torch.float32, device="cpu")
+    if draft_dir:
+        draft = load_drafter(draft_dir, target_config=target.config, tokenizer=tokenizer, what="--draft")
+    else:
+        draft = DFlashDraftModel(DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=8,
+                                                         mask_token_id=16, dtype="float32"))
+        draft.init_weights(seed=0)
+    draft.eval().attach_target(target)
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(count)]
+    prompts = render_prompts(tokenizer, [[{"role": "user", "content": q}] for q in questions])
+    return draft, target, prompts, eos_token_ids(target, tokenizer)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", default=None, help="a drafter folder (default: a random drafter)")
@@ -33,25 +56,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from dflash_train.eval.batched_decode import batched_speculative_generate
-    from dflash_train.eval.prompts import render_prompts
-    from dflash_train.eval.spec_decode import eos_token_ids, speculative_generate
-    from dflash_train.model.checkpoint import load_drafter
-    from dflash_train.model.config import DFlashConfig
-    from dflash_train.model.modeling_dflash import DFlashDraftModel
-    from dflash_train.target import load_target, resolve_target
+    from dflash_train.eval.spec_decode import speculative_generate
 
-    target, tokenizer = load_target(resolve_target(None), dtype=torch.float32, device="cpu")
-    if args.draft:
-        draft = load_drafter(args.draft, target_config=target.config, tokenizer=tokenizer, what="--draft")
-    else:
-        draft = DFlashDraftModel(DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=8,
-                                                         mask_token_id=16, dtype="float32"))
-        draft.init_weights(seed=0)
-    draft.eval().attach_target(target)
+    draft, target, prompts, eos = models_and_prompts(args.draft, args.prompts)
     b = draft.config.block_size
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
-    prompts = render_prompts(tokenizer, [[{"role": "user", "content": q}] for q in questions])
-    eos = eos_token_ids(target, tokenizer)
     speculative_generate(draft, target, prompts[0], 2, block_size=b, eos_token_ids=eos)  # warm-up
 
     t = time.perf_counter()

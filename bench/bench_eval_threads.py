@@ -33,28 +33,12 @@ def decode(draft: str | None, prompts: int, max_new_tokens: int) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from bench_eval import QUESTIONS
+    from bench_eval import models_and_prompts
 
     from dflash_train.eval.batched_decode import batched_speculative_generate
-    from dflash_train.eval.prompts import render_prompts
-    from dflash_train.eval.spec_decode import eos_token_ids
-    from dflash_train.model.checkpoint import load_drafter
-    from dflash_train.model.config import DFlashConfig
-    from dflash_train.model.modeling_dflash import DFlashDraftModel
-    from dflash_train.target import load_target, resolve_target
 
-    target, tokenizer = load_target(resolve_target(None), dtype=torch.float32, device="cpu")
-    if draft:
-        model = load_drafter(draft, target_config=target.config, tokenizer=tokenizer, what="--draft")
-    else:
-        model = DFlashDraftModel(DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=8,
-                                                         mask_token_id=16, dtype="float32"))
-        model.init_weights(seed=0)
-    model.eval().attach_target(target)
+    model, target, rendered, eos = models_and_prompts(draft, prompts)
     block = model.config.block_size
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(prompts)]
-    rendered = render_prompts(tokenizer, [[{"role": "user", "content": q}] for q in questions])
-    eos = eos_token_ids(target, tokenizer)
     batched_speculative_generate(model, target, rendered[:1], 2, block_size=block, eos_token_ids=eos)  # warm-up
     t = time.perf_counter()
     out = batched_speculative_generate(model, target, rendered, max_new_tokens, block_size=block, eos_token_ids=eos)
@@ -67,7 +51,7 @@ def run(threads: int, busy: int, args) -> dict:
     spinners = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(busy)]
     try:
         cmd = [sys.executable, __file__, "--child", "--prompts", str(args.prompts),
-               "--max-new-tokens", str(args.max_new_tokens)] + (["--draft", args.draft] if args.draft else [])
+               "--max-new-tokens", str(args.max_new_tokens), "--draft", args.draft or ""]  # "": a random drafter
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
                              check=False)
         if out.returncode:

@@ -31,9 +31,7 @@ BUSY = "while True: pass"
 def decode(draft: str | None, prompts: int, max_new_tokens: int) -> dict:
     """One timed batched decoding in this process (after a one-prompt warm-up): seconds, new tokens."""
     import torch
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_eval import models_and_prompts
+    from bench_eval import models_and_prompts  # the sibling bench: this script's folder is on sys.path
 
     from dflash_train.eval.batched_decode import batched_speculative_generate
 

@@ -63,7 +63,6 @@ def eval_on_the_gpu(out: str = "runs/demo-gpu", prompts: int = 4, new_tokens: in
     """The demo-gpu part's eval stage run again on the GPU, into `eval-gpu.json` beside the demo's own (which
     decodes on the CPU): the same drafter, prompts and tokens, to say which device the demo's eval should use.
     A part, not a demo stage, until it is measured: it needs the demo-gpu part's drafter."""
-    sys.path.insert(0, str(ROOT))
     from dflash_train.demo import demo_stages
 
     folder = Path(out)
@@ -95,9 +94,8 @@ def headline(part: dict) -> str:
             return line.strip("= ").strip()
     lines = tail.strip().splitlines()
     if lines and PYTEST_DOTS.match(lines[-1]):  # pytest cut before its closing line: its progress characters
-        ran = sum(len(PYTEST_DOTS.match(line)[1]) for line in lines if PYTEST_DOTS.match(line))
-        bad = sum(line.count("F") + line.count("E") for line in lines if PYTEST_DOTS.match(line))
-        return f"{ran} tests run before the cut, {bad} failed or in error"
+        dots = "".join(m[1] for m in map(PYTEST_DOTS.match, lines) if m)
+        return f"{len(dots)} tests run before the cut, {dots.count('F') + dots.count('E')} failed or in error"
     if part.get("rows"):
         last: dict[str, dict] = {}  # each variant's last row: its own, or its last pass when it was cut
         for row in part["rows"]:

@@ -59,8 +59,7 @@ def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int
                          greedy_loop: bool = True, compile_step: bool = True, each_pass=None) -> dict:
     """Two passes of `regenerate_batch` (the loop of `regenerate`) over the first `rows` conversations of `data`
     (`today`: f25d61f's path; `greedy_loop=False`: greedy rows through `generate`; `compile_step=False`: the
-    loop's decode step eager). `each_pass(row)` gets each
-    pass's seconds and new tokens as it ends."""
+    loop's decode step eager). `each_pass(row)` gets each pass's seconds and new tokens as it ends."""
     from dflash_train.data.hf_generate import HFGenerator
     from dflash_train.data.prepare import load_prepared, read_summary
     from dflash_train.data.regenerate import regenerate_batch, stop_ids

@@ -5,8 +5,8 @@ transformers' `generate` (5.17, the GPU machines') does host work around every d
 (Its "all rows finished" read is deferred by one step there, `DeferredStopCheck`, so the host does not wait
 for the device each step: less for this loop to win than its first reading assumed.) On an H200 at 8275a25
 SmolLM2's regeneration ran ~8 ms a decode step (23.9K new tokens/s over 512 rows), where the step's weight
-and KV reads take ~1.5 ms. Whether this loop beats `generate` there is not yet measured: the 2026-12-04 run
-was cut before its row (docs/gpu.md).
+and KV reads take ~1.5 ms. This loop made 30.8K new tokens/s on the same rows at 304cfdf (another H200, another
+day; `generate`'s row in that run was cut, docs/gpu.md).
 
 Here, per group: one eager prefill (logits of the last position only), then each decode step is one call of
 the compiled model (with mode "reduce-overhead", a CUDA graph replay) and a few small device ops (argmax,

@@ -22,6 +22,10 @@ of 512 and two of 1,536 (round 17). The variants take turns over `--rounds` roun
 subprocess per variant, and each ratio is the median of its rounds' ratios: a shared machine's drift falls on
 every variant alike.
 
+`--optimizer` times the recipe's step with its optimizer step (the other modes leave it out): AdamW (the recipe)
+against Muon for the layers' matrices and fc (`optim.algorithm: muon`) at 5 and 3 Newton-Schulz iterations, in
+the same interleaved rounds.
+
 `--anchor-slot` compares the recipe's step (one layer of 1,536) with the last layer computing the anchor's slot
 0 and dropping its output, as before 2026-12-04, against skipping that work (`forward_train(anchor_slot=False)`),
 in the same interleaved rounds. `--kernels` compares the same step with the head's epilogue and the layers' norms,
@@ -30,7 +34,7 @@ C++ kernels; the first, untimed step compiles).
 
 Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]
        python bench/bench_train_step.py --layers [--steps 10] [--rounds 3]
-       python bench/bench_train_step.py --anchor-slot | --kernels [--steps 10] [--rounds 3]
+       python bench/bench_train_step.py --anchor-slot | --kernels | --optimizer [--steps 10] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -145,6 +149,9 @@ LAYERS = {"layers-1x1536": (1, 1536), "layers-2x512": (2, 512), "layers-2x1536":
 ANCHOR_SLOT = {"anchor-slot-computed": True, "anchor-slot-skipped": False}
 # --kernels: the head's epilogue and the layers' norms, SwiGLU and RoPE eager (the CPU default) or compiled
 KERNELS = {"kernels-eager": "eager", "kernels-compiled": "compiled"}
+# --optimizer: the recipe's step with its optimizer step after the backward: AdamW (the recipe), or Muon for the
+# layers' matrices and fc at 5 and 3 Newton-Schulz iterations (`optim.algorithm: muon`, `optim.muon_ns_steps`)
+OPTIMIZERS = {"optimizer-adamw": None, "optimizer-muon-ns5": 5, "optimizer-muon-ns3": 3}
 
 
 def _compute_the_anchor_slot() -> None:
@@ -171,7 +178,8 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     if ANCHOR_SLOT.get(name):
         _compute_the_anchor_slot()
     # bf16-mixed with prefix weighting at the B=4 demo's shape, this depth and width (--anchor-slot: the recipe's)
-    depth = LAYERS.get(name) or (LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS} else None)
+    depth = LAYERS.get(name) or (LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS, **OPTIMIZERS}
+                                 else None)
     kernels = KERNELS.get(name, "eager")
     prefix = name == "prefix-weighting" or depth is not None  # objective.prefix_weighting on
     if depth is not None:
@@ -183,7 +191,17 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         model.to(torch.bfloat16)
         model.attach_target_weights(model._target_embed.bfloat16(), model._target_lm_head.bfloat16())
         mb.packed.features = mb.packed.features.bfloat16()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    stepping = name in OPTIMIZERS  # the optimizer's step is part of what is timed
+    if stepping:
+        from dflash_train.train.engine import muon_matrices
+        from dflash_train.train.optimizer import build_optimizer
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        ns = OPTIMIZERS[name]
+        opt = build_optimizer(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, own_step=True,
+                              fp32_masters=False, muon=muon_matrices(model) if ns else None, muon_ns_steps=ns or 5)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     positions = int((mb.labels != -100).sum())
     times, losses = [], []
     for i in range(steps + 1):  # first step is warm-up
@@ -198,12 +216,15 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         losses.append(float(loss) / mb.weight_sum)
         if i == 0:
             grad = model.fc.weight.grad.float().flatten()
-        opt.zero_grad(set_to_none=True)  # no update: every step measures the same loss
+        if stepping:
+            opt.step()
+        opt.zero_grad(set_to_none=True)  # otherwise no update: every step measures the same loss
         if i:
             times.append(time.perf_counter() - t0)
     step_s = sum(times) / len(times)
     out = {"variant": name, "step_s": step_s, "positions_per_s": positions / step_s, "loss": losses[0],
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "fc_grad": grad.tolist()[:4096]}
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "fc_grad": grad.tolist()[:4096],
+           "optimizer": type(opt).__name__ if stepping else None, "last_loss": losses[-1]}
     if name == "ours":
         out["head_s"] = _head_alone(model, mb, chunk, steps)
     return out
@@ -224,7 +245,10 @@ def main() -> None:
                     help="compare the demo recipe's step with the last layer computing slot 0 and skipping it instead")
     ap.add_argument("--kernels", action="store_true",
                     help="compare the demo recipe's step with its head epilogue and layer kernels eager and compiled")
-    ap.add_argument("--rounds", type=int, default=3, help="--layers, --anchor-slot, --kernels: turns of every variant")
+    ap.add_argument("--optimizer", action="store_true",
+                    help="compare the demo recipe's step with its optimizer step: AdamW against Muon (5 and 3 iterations)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="--layers, --anchor-slot, --kernels, --optimizer: turns of every variant")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -233,8 +257,9 @@ def main() -> None:
     from dflash_train.machine import describe, machine_facts
 
     print(f"machine: {describe(machine_facts())}")
-    if args.layers or args.anchor_slot or args.kernels:
-        _compare_in_turns(args, LAYERS if args.layers else ANCHOR_SLOT if args.anchor_slot else KERNELS)
+    if args.layers or args.anchor_slot or args.kernels or args.optimizer:
+        _compare_in_turns(args, LAYERS if args.layers else ANCHOR_SLOT if args.anchor_slot else KERNELS
+                          if args.kernels else OPTIMIZERS)
         return
     names = PRECISIONS if args.precisions else ("bf16-mixed", "prefix-weighting") if args.prefix else ("naive", "ours")
     results = {name: _one(name, args) for name in names}
@@ -276,8 +301,9 @@ def _compare_in_turns(args, variants: dict) -> None:
     names = list(variants)
     rounds = [{name: _one(name, args)["step_s"] for name in names} for _ in range(args.rounds)]
     s = DEMO_B4
+    what = "forward + backward + the optimizer's step" if variants is OPTIMIZERS else "forward + backward, no optimizer"
     print(f"T={s.tokens} anchors={s.anchors} B={s.block} vocab={s.vocab}, bf16-mixed, prefix weighting, "
-          f"{args.steps} timed steps x {args.rounds} rounds (forward + backward, no optimizer)")
+          f"{args.steps} timed steps x {args.rounds} rounds ({what})")
     for name in names:
         steps = [r[name] for r in rounds]
         ratio = statistics.median(r[name] / r[names[0]] for r in rounds)

@@ -152,6 +152,14 @@ def deepspeed_config(recipe: TrainRecipe) -> dict:
     return cfg
 
 
+def muon_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights `optim.algorithm: muon` steps with Muon: the trainable matrices of the draft layers
+    (attention and MLP projections) and of `fc`, the feature projection; not the LM head (Muon's authors keep
+    embeddings and heads on AdamW) nor the norms."""
+    return [p for name, p in model.named_parameters()
+            if p.requires_grad and p.ndim == 2 and (name.startswith("layers.") or name.startswith("fc."))]
+
+
 def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
     """(engine, scheduler). The scheduler steps once per optimizer step, inside engine.step()."""
     import deepspeed
@@ -162,10 +170,15 @@ def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
     o = recipe.optim
     optimizer = None
     own, bf16 = own_step(recipe), use_bf16(recipe)
+    muon = muon_matrices(model) if o.algorithm == "muon" else None
+    if muon is not None and recipe.engine.optimizer != "torch":
+        raise ValueError("optim.algorithm: muon runs as the toolkit's own optimizer step, not DeepSpeed's: set "
+                         "engine.optimizer: torch (and engine.zero_stage: 0), or use adamw")
     if recipe.engine.optimizer == "torch":  # masters are taken from the fp32 weights, before any cast
         optimizer = build_optimizer(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
                                     grad_clip=o.grad_clip, own_step=own, fp32_masters=own and bf16,
-                                    decay_on=o.weight_decay_on)
+                                    decay_on=o.weight_decay_on, muon=muon, muon_momentum=o.muon_momentum,
+                                    muon_ns_steps=o.muon_ns_steps)
     if own and bf16:  # what DeepSpeed's bf16 mode does to the module: the weights, not the fp32 buffers
         for p in model.parameters():
             if p.dtype.is_floating_point:

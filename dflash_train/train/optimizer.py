@@ -74,20 +74,23 @@ class DeviceAdamW(torch.optim.AdamW):
             for p, m in pairs:
                 m.grad = p.grad.to(torch.float32)
         live = [m for _, m in pairs]
+        coef = None  # the clip's factor on the gradients, a device tensor (None: no clip)
         if self.grad_clip > 0 and live:
             grads = [m.grad for m in live]
             norm = torch.nn.utils.get_total_norm(grads)  # foreach where the device has it
             self._global_grad_norm = norm
+            coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no comparison on the host
             if self.defaults.get("fused"):  # the kernel divides each gradient by grad_scale as it reads it:
                 # the clip costs no pass of its own over the fp32 gradients (~8 bytes a parameter)
                 self.grad_scale = ((norm + 1e-6) / self.grad_clip).clamp(min=1.0).to(torch.float32)
+            elif all(g.device.type in FUSED_DEVICES for g in grads):
+                torch._foreach_mul_(grads, coef)
+                coef = None  # applied
             else:
-                coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no comparison on the host
-                if all(g.device.type in FUSED_DEVICES for g in grads):
-                    torch._foreach_mul_(grads, coef)
-                else:
-                    for g in grads:
-                        g.mul_(coef)
+                for g in grads:
+                    g.mul_(coef)
+                coef = None
+        self._step_matrices(coef)
         loss = super().step(closure)
         if self.separate and pairs:
             model, master = [p for p, _ in pairs], [m for _, m in pairs]
@@ -99,6 +102,10 @@ class DeviceAdamW(torch.optim.AdamW):
             for m in master:
                 m.grad = None  # the fp32 gradients live only inside the step
         return loss
+
+    def _step_matrices(self, coef: torch.Tensor | None) -> None:
+        """Before AdamW's step: another rule's own update of some masters, their gradients then cleared so that
+        AdamW skips them (`DeviceMuon`). coef: the clip's factor where the gradients do not carry it yet."""
 
     @property
     def computes_grad_norm(self) -> bool:
@@ -135,11 +142,116 @@ class DeviceAdamW(torch.optim.AdamW):
                     m.copy_(saved)
 
 
+# Newton-Schulz coefficients of Muon's quintic iteration (Keller Jordan's, as torch.optim.Muon's defaults):
+# they push every singular value of the normalised update toward ~1 in a few steps without converging exactly
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """U V^T of g = U S V^T, approximately (singular values into ~[0.7, 1.2]): `steps` Newton-Schulz iterations
+    of the quintic X <- aX + (b A + c A^2) X with A = X X^T, run in `dtype` on the short side of g. fp32 out."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.t()
+    x = x / (x.norm() + 1e-7)  # the spectral norm is at most the Frobenius norm: every singular value <= 1
+    for _ in range(steps):
+        gram = x @ x.t()
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return (x.t() if tall else x).float()
+
+
+def muon_dtype(device: torch.device) -> torch.dtype:
+    """The Newton-Schulz iteration's dtype: bf16 where the hardware multiplies it natively (a GPU, a CPU with
+    bf16 instructions: 0.096 s for the demo drafter's eight matrices on 2 Zen 4 cores), fp32 elsewhere (an
+    emulated bf16 iteration was ~8x the whole CPU step on Ice Lake: docs/results/2026-11-29-drafter-quality-round-14.md)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    from dflash_train.machine import cpu_bf16_instructions
+
+    return torch.bfloat16 if device.type == "cpu" and cpu_bf16_instructions() else torch.float32
+
+
+class DeviceMuon(DeviceAdamW):
+    """Muon for the hidden matrices, DeviceAdamW (its masters, clip and schedule) for everything else.
+
+    `matrices`: the parameters (of `params`) that step with Muon: the draft layers' projections and `fc`; the
+    LM head, the norms' gains and anything else keep AdamW, as Muon's authors use it. Each Muon step: the
+    (clipped) gradient into a momentum buffer, its Nesterov blend orthogonalised (`orthogonalize`), scaled by
+    0.2 sqrt(max(rows, cols)) so its RMS matches an AdamW update's (the same lr serves both rules, as
+    torch.optim.Muon's `match_rms_adamw`), with decoupled weight decay. The learning-rate schedule scales both
+    rules: they share the optimizer's param groups."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], matrices: Iterable[torch.nn.Parameter], *, lr: float,
+                 betas: tuple[float, float], weight_decay: float, grad_clip: float, fp32_masters: bool,
+                 decay_on: str = "matrices", momentum: float = 0.95, ns_steps: int = 5):
+        params = list(params)
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
+                         fp32_masters=fp32_masters, decay_on=decay_on)
+        chosen = {id(p) for p in matrices}
+        self.muon_masters = [m for p, m in zip(self.model_params, self.masters, strict=True)
+                             if id(p) in chosen and p.ndim == 2]
+        if not self.muon_masters:
+            raise ValueError("optim.algorithm is muon, but the drafter has no trainable matrix for it (its layers' "
+                             "projections and fc); use adamw")
+        self.momentum = float(momentum)
+        self.ns_steps = int(ns_steps)
+        self.ns_dtype = muon_dtype(self.muon_masters[0].device)
+        self.muon_weight_decay = float(weight_decay)
+        # the momentum buffers live beside AdamW's state, not in it (AdamW's loader expects its own keys there)
+        self.muon_momentum: list[torch.Tensor | None] = [None] * len(self.muon_masters)
+
+    def _step_matrices(self, coef: torch.Tensor | None) -> None:
+        lr = self._group_of(self.muon_masters[0])["lr"]
+        for i, m in enumerate(self.muon_masters):
+            if m.grad is None:
+                continue
+            grad = m.grad if coef is None else m.grad * coef
+            buf = self.muon_momentum[i]
+            if buf is None:
+                buf = self.muon_momentum[i] = torch.zeros_like(m)
+            buf.lerp_(grad, 1 - self.momentum)
+            update = orthogonalize(grad.lerp(buf, self.momentum), self.ns_steps, self.ns_dtype)
+            scale = 0.2 * max(m.shape) ** 0.5
+            if self.muon_weight_decay:
+                m.mul_(1 - lr * self.muon_weight_decay)
+            m.add_(update, alpha=-lr * scale)
+            m.grad = None  # AdamW skips it
+
+    def _group_of(self, p: torch.Tensor) -> dict:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["muon_momentum"] = [None if b is None else b.detach().clone() for b in self.muon_momentum]
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        momentum = state_dict.pop("muon_momentum", None)
+        if momentum is None or len(momentum) != len(self.muon_masters):
+            raise ValueError("optimizer state without Muon's momentum for these matrices (saved with optim.algorithm "
+                             "adamw, or another drafter); resume with the settings the run was started with")
+        super().load_state_dict(state_dict)
+        self.muon_momentum = [None if b is None else b.to(m.device, m.dtype).clone()
+                              for b, m in zip(momentum, self.muon_masters, strict=True)]
+
+
 def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
                     weight_decay: float, grad_clip: float, own_step: bool, fp32_masters: bool,
-                    decay_on: str = "matrices"):
-    """`own_step` (no ZeRO): a DeviceAdamW that clips on the device. Otherwise torch's AdamW for
-    DeepSpeed's ZeRO optimizers to wrap (fused on CUDA; they clip themselves)."""
+                    decay_on: str = "matrices", muon: list[torch.nn.Parameter] | None = None,
+                    muon_momentum: float = 0.95, muon_ns_steps: int = 5):
+    """`own_step` (no ZeRO): a DeviceAdamW that clips on the device, or a DeviceMuon when `muon` names the
+    matrices Muon steps. Otherwise torch's AdamW for DeepSpeed's ZeRO optimizers to wrap (fused on CUDA; they
+    clip themselves)."""
+    if muon is not None and not own_step:
+        raise ValueError("optim.algorithm: muon runs as the toolkit's own optimizer step: set engine.zero_stage: 0 "
+                         "and engine.optimizer: torch, or use adamw")
+    if muon is not None:
+        return DeviceMuon(params, muon, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
+                          fp32_masters=fp32_masters, decay_on=decay_on, momentum=muon_momentum,
+                          ns_steps=muon_ns_steps)
     if own_step:
         return DeviceAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                            fp32_masters=fp32_masters, decay_on=decay_on)

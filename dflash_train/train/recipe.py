@@ -218,6 +218,12 @@ class OptimConfig(_Section):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, ge=0)
+    # adamw: every weight; muon: the draft layers' projections and fc step with Muon (orthogonalised momentum,
+    # its update scaled to AdamW's RMS so `lr` serves both), the LM head and the norms with AdamW
+    # (train/optimizer.DeviceMuon; needs engine.zero_stage 0 and engine.optimizer torch)
+    algorithm: Literal["adamw", "muon"] = "adamw"
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_ns_steps: int = Field(5, ge=1)  # Newton-Schulz iterations a step
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
 

@@ -52,3 +52,22 @@ def test_the_anchor_slot_variants_give_the_same_loss_and_gradient():
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
     assert max(abs(x - y) for x, y in zip(a["fc_grad"], b["fc_grad"], strict=True)) < 2e-2 * max(
         abs(x) for x in a["fc_grad"])
+
+
+def test_the_optimizer_variants_step_the_rule_they_name():
+    """--optimizer: each variant times the recipe's step with the optimizer it names; Muon's variants differ from
+    AdamW's only in the matrices' rule (the same loss before the first update)."""
+    import json
+
+    runs = {}
+    for name in ("optimizer-adamw", "optimizer-muon-ns3"):
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_step.py"), "--variant", name,
+                              "--steps", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                             env={**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    a, m = runs["optimizer-adamw"], runs["optimizer-muon-ns3"]
+    assert (a["optimizer"], m["optimizer"]) == ("DeviceAdamW", "DeviceMuon")
+    assert a["loss"] == pytest.approx(m["loss"], rel=1e-6)  # the first step's loss, before any update
+    assert a["last_loss"] != m["last_loss"]  # after one update by each rule
+    assert a["step_s"] > 0 and m["step_s"] > 0

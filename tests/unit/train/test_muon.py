@@ -1,0 +1,178 @@
+"""Muon for the drafter's hidden matrices (train/optimizer.DeviceMuon, `optim.algorithm: muon`): the
+orthogonalisation, the update rule against torch.optim.Muon's, AdamW for everything else, the clip, resuming,
+which weights take Muon, and the settings Muon cannot run under."""
+
+import copy
+
+import pytest
+import torch
+
+from dflash_train.errors import ConfigError
+from dflash_train.train.optimizer import DeviceAdamW, DeviceMuon, build_optimizer, muon_dtype, orthogonalize
+
+
+def _matrix(rows, cols, seed=0):
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("shape", [(24, 64), (64, 24), (32, 32)])
+def test_orthogonalize_flattens_the_spectrum_and_keeps_the_singular_vectors(shape):
+    """A matrix with singular values over two decades comes out with all of them near 1 and its singular vectors
+    (U V^T's direction), tall, wide or square."""
+    k = min(shape)
+    u, _ = torch.linalg.qr(_matrix(shape[0], k, seed=1))
+    v, _ = torch.linalg.qr(_matrix(shape[1], k, seed=2))
+    g = u @ torch.diag(torch.logspace(0, 2, k)) @ v.t()
+    out = orthogonalize(g, 5, torch.float32)
+    assert out.shape == g.shape and out.dtype == torch.float32
+    s = torch.linalg.svdvals(out)
+    # Muon's coefficients trade exactness for speed: every singular value lands in about [0.7, 1.2]
+    assert float(s.min()) > 0.6 and float(s.max()) < 1.25, s
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), (u @ v.t()).flatten(), dim=0)
+    assert float(cos) > 0.97
+    # the negative control: one iteration leaves the small singular values small
+    assert float(torch.linalg.svdvals(orthogonalize(g, 1, torch.float32)).min()) < 0.6
+
+
+def _layered(seed=0):
+    """Two matrices for Muon, a head-like matrix and a gain for AdamW."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(16, 40, generator=g) * 0.1),
+            torch.nn.Parameter(torch.randn(40, 16, generator=g) * 0.1),
+            torch.nn.Parameter(torch.randn(50, 16, generator=g) * 0.1),
+            torch.nn.Parameter(torch.ones(16))]
+
+
+def _set_grads(params, step, scale=1.0):
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * scale).to(p.dtype)
+
+
+def _muon_pair(nesterov=True, steps=4):
+    """Our DeviceMuon (iteration in fp32) and torch.optim.Muon (its iteration in bf16) over the same gradients;
+    AdamW's share against a DeviceAdamW over the same tensors."""
+    ours, ref, ref_adam = _layered(), _layered(), _layered()
+    kw = dict(lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = DeviceMuon(ours, ours[:2], grad_clip=0.0, fp32_masters=False, **kw)
+    opt.ns_dtype = torch.float32
+    ref_muon = torch.optim.Muon(ref[:2], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov, ns_steps=5,
+                                adjust_lr_fn="match_rms_adamw")
+    ref_other = DeviceAdamW(ref_adam[2:], grad_clip=0.0, fp32_masters=False, **kw)
+    for step in range(steps):
+        for ps in (ours, ref, ref_adam):
+            _set_grads(ps, step)
+        for o in (opt, ref_muon, ref_other):
+            o.step()
+            o.zero_grad()
+    return ours, ref, ref_adam
+
+
+@torch.no_grad()
+def test_the_matrices_step_as_torch_muon_and_the_rest_as_adamw():
+    ours, ref, ref_adam = _muon_pair()
+    for a, b, start in zip(ours[:2], ref[:2], _layered()[:2], strict=True):
+        moved, diff = float((b - start).norm()), float((a - b).norm())
+        assert moved > 0.05 and diff < 0.03 * moved  # ~1%: torch's bf16 iteration against our fp32 one
+    for a, b in zip(ours[2:], ref_adam[2:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # the negative controls: another rule (momentum without Nesterov's blend) is ~20% away; the head moves
+    # otherwise when it takes Muon
+    _, plain, _ = _muon_pair(nesterov=False)
+    assert float((ours[0] - plain[0]).norm()) > 0.1 * float((plain[0] - _layered()[0]).norm())
+    other = _layered()
+    opt2 = DeviceMuon(other, other[:3], lr=0.02, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=0.0,
+                      fp32_masters=False)
+    for step in range(4):
+        _set_grads(other, step)
+        opt2.step()
+    assert float((other[2] - ours[2]).norm()) > 0.01
+
+
+def test_the_clip_reaches_muons_momentum():
+    """The first step's update is the orthogonalised gradient whatever its scale, but the momentum buffer
+    holds the clipped gradient: (1 - momentum) * clip_factor * g."""
+    for fused in (True, False):
+        ps = _layered()
+        opt = DeviceMuon(ps, ps[:2], lr=0.01, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=0.5,
+                         fp32_masters=False)
+        if not fused:
+            opt.defaults["fused"] = None
+            for group in opt.param_groups:
+                group["fused"], group["foreach"] = None, True
+        _set_grads(ps, 0, scale=3.0)
+        grads = [p.grad.clone() for p in ps]
+        factor = 0.5 / float(torch.nn.utils.get_total_norm(grads))
+        assert factor < 0.2
+        opt.step()
+        torch.testing.assert_close(opt.muon_momentum[0], 0.05 * factor * grads[0], rtol=1e-5, atol=1e-8)
+
+
+def test_muon_on_bf16_weights_resumes_exactly_with_its_momentum():
+    ps = _layered()
+    opt = DeviceMuon(ps, ps[:2], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, fp32_masters=True)
+    for p in ps:
+        p.data = p.data.bfloat16()
+    for step in range(3):
+        _set_grads(ps, step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert all(b is not None for b in saved["muon_momentum"])
+    again = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt2 = DeviceMuon(again, again[:2], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
+                      fp32_masters=True)
+    opt2.load_state_dict(saved)
+    for group, o in ((ps, opt), (again, opt2)):
+        _set_grads(group, 9)
+        o.step()
+    for a, b in zip(opt.masters, opt2.masters, strict=True):
+        assert torch.equal(a, b)
+    # without its momentum the next step differs: what resuming must carry
+    fresh = [torch.nn.Parameter(p.detach().clone()) for p in again]
+    opt3 = DeviceMuon(fresh, fresh[:2], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
+                      fp32_masters=True)
+    assert opt3.muon_momentum[0] is None
+    with pytest.raises(ValueError, match="Muon's momentum"):
+        opt3.load_state_dict(DeviceAdamW(fresh, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
+                                         fp32_masters=True).state_dict())
+
+
+def test_the_iteration_runs_in_bf16_where_the_hardware_has_it(monkeypatch):
+    import dflash_train.machine as machine
+
+    monkeypatch.setattr(machine, "cpu_bf16_instructions", lambda: ["avx512_bf16"])
+    assert muon_dtype(torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(machine, "cpu_bf16_instructions", lambda: [])
+    assert muon_dtype(torch.device("cpu")) == torch.float32
+    assert muon_dtype(torch.device("cuda")) == torch.bfloat16
+
+
+def test_muon_takes_the_layers_and_fc_and_leaves_the_head_and_norms_to_adamw():
+    from dflash_train.model.config import DFlashConfig
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.train.engine import muon_matrices
+
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=100, draft_vocab_size=50, target_hidden_size=32,
+                       num_target_layers=4, aux_hidden_state_layer_ids=[1, 3], block_size=4, mask_token_id=3,
+                       dtype="float32")
+    model = DFlashDraftModel(cfg)
+    chosen = {id(p) for p in muon_matrices(model)}
+    names = {n for n, p in model.named_parameters() if id(p) in chosen}
+    assert "fc.weight" in names and "layers.1.mlp.down_proj.weight" in names
+    assert "layers.0.self_attn.q_proj.weight" in names
+    assert not any("lm_head" in n or "norm" in n for n in names)
+    assert len(names) == 1 + 2 * 7  # fc, and q/k/v/o, gate/up/down in each layer
+
+
+def test_muon_refuses_settings_it_cannot_run_under():
+    ps = _layered()
+    with pytest.raises(ValueError, match="engine.zero_stage: 0"):
+        build_optimizer(ps, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, own_step=False,
+                        fp32_masters=False, muon=ps[:2])
+    with pytest.raises(ValueError, match="no trainable matrix"):
+        DeviceMuon(ps, ps[3:], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, fp32_masters=False)
+    from dflash_train.train.recipe import load_recipe
+
+    with pytest.raises(ConfigError, match="algorithm"):
+        load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.algorithm=lion"])

@@ -149,17 +149,19 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 def orthogonalize(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """U V^T of g = U S V^T, approximately (singular values into ~[0.7, 1.2]): `steps` Newton-Schulz iterations
-    of the quintic X <- aX + (b A + c A^2) X with A = X X^T, run in `dtype` on the short side of g. fp32 out."""
+    of the quintic X <- aX + (b A + c A^2) X with A = X X^T, run in `dtype` on the short side of g. g is one
+    matrix [r, c] or a stack of them [n, r, c] (each orthogonalised on its own, in batched matmuls). fp32 out."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(dtype)
-    tall = x.shape[0] > x.shape[1]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
-        x = x.t()
-    x = x / (x.norm() + 1e-7)  # the spectral norm is at most the Frobenius norm: every singular value <= 1
+        x = x.mT
+    # the spectral norm is at most the Frobenius norm: every singular value <= 1
+    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(steps):
-        gram = x @ x.t()
+        gram = x @ x.mT
         x = a * x + (b * gram + c * (gram @ gram)) @ x
-    return (x.t() if tall else x).float()
+    return (x.mT if tall else x).float()
 
 
 def muon_dtype(device: torch.device) -> torch.dtype:
@@ -203,20 +205,34 @@ class DeviceMuon(DeviceAdamW):
         self.muon_momentum: list[torch.Tensor | None] = [None] * len(self.muon_masters)
 
     def _step_matrices(self, coef: torch.Tensor | None) -> None:
-        lr = self._group_of(self.muon_masters[0])["lr"]
-        for i, m in enumerate(self.muon_masters):
-            if m.grad is None:
-                continue
-            grad = m.grad if coef is None else m.grad * coef
-            buf = self.muon_momentum[i]
-            if buf is None:
-                buf = self.muon_momentum[i] = torch.zeros_like(m)
-            buf.lerp_(grad, 1 - self.momentum)
-            update = orthogonalize(grad.lerp(buf, self.momentum), self.ns_steps, self.ns_dtype)
-            scale = 0.2 * max(m.shape) ** 0.5
+        live = [(i, m) for i, m in enumerate(self.muon_masters) if m.grad is not None]
+        if not live:
+            return
+        lr = self._group_of(live[0][1])["lr"]
+        grads = [m.grad for _, m in live]
+        if coef is not None:
+            grads = torch._foreach_mul(grads, coef)
+        for i, m in live:
+            if self.muon_momentum[i] is None:
+                self.muon_momentum[i] = torch.zeros_like(m)
+        bufs = [self.muon_momentum[i] for i, _ in live]
+        torch._foreach_lerp_(bufs, grads, 1 - self.momentum)
+        updates = torch._foreach_lerp(grads, bufs, self.momentum)  # Nesterov's blend
+        # matrices of one shape (up to a transpose: gate, up and down; q and o; k and v) take one batched iteration:
+        # the same maths in a few large matmuls instead of many small ones (kernel launches on a GPU)
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for k, (_, m) in enumerate(live):
+            shapes.setdefault((min(m.shape), max(m.shape)), []).append(k)
+        for (short, long), ks in shapes.items():
+            wide = torch.stack([updates[k] if updates[k].shape[0] == short else updates[k].mT for k in ks])
+            ortho = orthogonalize(wide, self.ns_steps, self.ns_dtype)
+            masters = [live[k][1] for k in ks]
             if self.muon_weight_decay:
-                m.mul_(1 - lr * self.muon_weight_decay)
-            m.add_(update, alpha=-lr * scale)
+                torch._foreach_mul_(masters, 1 - lr * self.muon_weight_decay)
+            torch._foreach_add_(masters, [o if m.shape[0] == short else o.mT for o, m in zip(ortho, masters,
+                                                                                             strict=True)],
+                                alpha=-lr * 0.2 * long ** 0.5)
+        for _, m in live:
             m.grad = None  # AdamW skips it
 
     def _group_of(self, p: torch.Tensor) -> dict:

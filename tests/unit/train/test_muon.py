@@ -35,10 +35,12 @@ def test_orthogonalize_flattens_the_spectrum_and_keeps_the_singular_vectors(shap
 
 
 def _layered(seed=0):
-    """Two matrices for Muon, a head-like matrix and a gain for AdamW."""
+    """Three matrices for Muon (two of one shape up to a transpose, as gate and down), a head-like matrix and a
+    gain for AdamW."""
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(16, 40, generator=g) * 0.1),
             torch.nn.Parameter(torch.randn(40, 16, generator=g) * 0.1),
+            torch.nn.Parameter(torch.randn(16, 24, generator=g) * 0.1),
             torch.nn.Parameter(torch.randn(50, 16, generator=g) * 0.1),
             torch.nn.Parameter(torch.ones(16))]
 
@@ -54,11 +56,11 @@ def _muon_pair(nesterov=True, steps=4):
     AdamW's share against a DeviceAdamW over the same tensors."""
     ours, ref, ref_adam = _layered(), _layered(), _layered()
     kw = dict(lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)
-    opt = DeviceMuon(ours, ours[:2], grad_clip=0.0, fp32_masters=False, **kw)
+    opt = DeviceMuon(ours, ours[:3], grad_clip=0.0, fp32_masters=False, **kw)
     opt.ns_dtype = torch.float32
-    ref_muon = torch.optim.Muon(ref[:2], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov, ns_steps=5,
+    ref_muon = torch.optim.Muon(ref[:3], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov, ns_steps=5,
                                 adjust_lr_fn="match_rms_adamw")
-    ref_other = DeviceAdamW(ref_adam[2:], grad_clip=0.0, fp32_masters=False, **kw)
+    ref_other = DeviceAdamW(ref_adam[3:], grad_clip=0.0, fp32_masters=False, **kw)
     for step in range(steps):
         for ps in (ours, ref, ref_adam):
             _set_grads(ps, step)
@@ -71,22 +73,22 @@ def _muon_pair(nesterov=True, steps=4):
 @torch.no_grad()
 def test_the_matrices_step_as_torch_muon_and_the_rest_as_adamw():
     ours, ref, ref_adam = _muon_pair()
-    for a, b, start in zip(ours[:2], ref[:2], _layered()[:2], strict=True):
+    for a, b, start in zip(ours[:3], ref[:3], _layered()[:3], strict=True):
         moved, diff = float((b - start).norm()), float((a - b).norm())
         assert moved > 0.05 and diff < 0.03 * moved  # ~1%: torch's bf16 iteration against our fp32 one
-    for a, b in zip(ours[2:], ref_adam[2:], strict=True):
+    for a, b in zip(ours[3:], ref_adam[3:], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     # the negative controls: another rule (momentum without Nesterov's blend) is ~20% away; the head moves
     # otherwise when it takes Muon
     _, plain, _ = _muon_pair(nesterov=False)
     assert float((ours[0] - plain[0]).norm()) > 0.1 * float((plain[0] - _layered()[0]).norm())
     other = _layered()
-    opt2 = DeviceMuon(other, other[:3], lr=0.02, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=0.0,
+    opt2 = DeviceMuon(other, other[:4], lr=0.02, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=0.0,
                       fp32_masters=False)
     for step in range(4):
         _set_grads(other, step)
         opt2.step()
-    assert float((other[2] - ours[2]).norm()) > 0.01
+    assert float((other[3] - ours[3]).norm()) > 0.01
 
 
 def test_the_clip_reaches_muons_momentum():
@@ -94,7 +96,7 @@ def test_the_clip_reaches_muons_momentum():
     holds the clipped gradient: (1 - momentum) * clip_factor * g."""
     for fused in (True, False):
         ps = _layered()
-        opt = DeviceMuon(ps, ps[:2], lr=0.01, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=0.5,
+        opt = DeviceMuon(ps, ps[:3], lr=0.01, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=0.5,
                          fp32_masters=False)
         if not fused:
             opt.defaults["fused"] = None
@@ -110,7 +112,7 @@ def test_the_clip_reaches_muons_momentum():
 
 def test_muon_on_bf16_weights_resumes_exactly_with_its_momentum():
     ps = _layered()
-    opt = DeviceMuon(ps, ps[:2], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, fp32_masters=True)
+    opt = DeviceMuon(ps, ps[:3], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, fp32_masters=True)
     for p in ps:
         p.data = p.data.bfloat16()
     for step in range(3):
@@ -119,7 +121,7 @@ def test_muon_on_bf16_weights_resumes_exactly_with_its_momentum():
     saved = copy.deepcopy(opt.state_dict())
     assert all(b is not None for b in saved["muon_momentum"])
     again = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    opt2 = DeviceMuon(again, again[:2], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
+    opt2 = DeviceMuon(again, again[:3], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
                       fp32_masters=True)
     opt2.load_state_dict(saved)
     for group, o in ((ps, opt), (again, opt2)):
@@ -129,7 +131,7 @@ def test_muon_on_bf16_weights_resumes_exactly_with_its_momentum():
         assert torch.equal(a, b)
     # without its momentum the next step differs: what resuming must carry
     fresh = [torch.nn.Parameter(p.detach().clone()) for p in again]
-    opt3 = DeviceMuon(fresh, fresh[:2], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
+    opt3 = DeviceMuon(fresh, fresh[:3], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0,
                       fp32_masters=True)
     assert opt3.muon_momentum[0] is None
     with pytest.raises(ValueError, match="Muon's momentum"):
@@ -169,10 +171,21 @@ def test_muon_refuses_settings_it_cannot_run_under():
     ps = _layered()
     with pytest.raises(ValueError, match="engine.zero_stage: 0"):
         build_optimizer(ps, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, own_step=False,
-                        fp32_masters=False, muon=ps[:2])
+                        fp32_masters=False, muon=ps[:3])
     with pytest.raises(ValueError, match="no trainable matrix"):
-        DeviceMuon(ps, ps[3:], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, fp32_masters=False)
+        DeviceMuon(ps, ps[4:], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, fp32_masters=False)
     from dflash_train.train.recipe import load_recipe
 
     with pytest.raises(ConfigError, match="algorithm"):
         load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.algorithm=lion"])
+
+
+def test_a_stack_is_orthogonalised_matrix_by_matrix():
+    """DeviceMuon runs matrices of one shape (up to a transpose) as one stack: each must come out as it would
+    alone (its own norm, no mixing between the stack's members)."""
+    stack = torch.stack([_matrix(24, 64, seed=s) * (10.0 ** s) for s in range(3)])
+    together = orthogonalize(stack, 5, torch.float32)
+    for k in range(3):
+        torch.testing.assert_close(together[k], orthogonalize(stack[k], 5, torch.float32), rtol=1e-4, atol=1e-5)
+    tall = orthogonalize(stack.mT, 5, torch.float32)
+    torch.testing.assert_close(tall, together.mT, rtol=1e-4, atol=1e-5)

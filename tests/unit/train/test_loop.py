@@ -114,15 +114,7 @@ def test_the_recipes_dropout_reaches_the_training_step_and_not_the_check(referen
 def test_sigkill_then_resume_is_bit_identical(reference_run, tmp_path):
     recipe, ref = reference_run
     out = tmp_path / "killed"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 240
-    while not (out / "checkpoints" / "step-000002").is_dir():
-        assert proc.poll() is None and time.time() < deadline, "training ended before its first checkpoint"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    _killed_after_first_checkpoint(recipe, out)
     assert not (out / "final").exists()
     # without --resume the folder is refused and left alone
     again = _train(["--config", recipe, "--output", out])
@@ -133,6 +125,38 @@ def test_sigkill_then_resume_is_bit_identical(reference_run, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = (json.loads((p / "summary.json").read_text()) for p in (ref, out))
     assert ra["val_loss"] == rb["val_loss"] and ra["tokens"] == rb["tokens"]
+
+
+def _killed_after_first_checkpoint(recipe, out, sets=()):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out),
+                             *[a for s in sets for a in ("--set", s)]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "step-000002").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "training ended before its first checkpoint"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_a_muon_run_trains_otherwise_and_resumes_bit_identical(reference_run, tmp_path):
+    """optim.algorithm: muon reaches the optimizer (other weights than AdamW's run) and its momentum travels with
+    the checkpoint: killed after step 2 and resumed, the run ends where the uninterrupted one does."""
+    recipe, ref = reference_run
+    sets = ["optim.algorithm=muon"]
+    whole = tmp_path / "whole"
+    res = _train(["--config", recipe, "--output", whole, *[a for s in sets for a in ("--set", s)]])
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, adamw = _weights(whole / "final"), _weights(ref / "final")
+    assert not torch.equal(a["layers.0.mlp.down_proj.weight"], adamw["layers.0.mlp.down_proj.weight"])
+    killed = tmp_path / "killed"
+    _killed_after_first_checkpoint(recipe, killed, sets)
+    res = _train(["--config", recipe, "--output", killed, "--resume", *[a for s in sets for a in ("--set", s)]])
+    assert res.returncode == 0, res.stderr[-3000:]
+    b = _weights(killed / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow

@@ -189,3 +189,30 @@ def test_a_stack_is_orthogonalised_matrix_by_matrix():
         torch.testing.assert_close(together[k], orthogonalize(stack[k], 5, torch.float32), rtol=1e-4, atol=1e-5)
     tall = orthogonalize(stack.mT, 5, torch.float32)
     torch.testing.assert_close(tall, together.mT, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_muon_steps_on_a_gpu_as_on_the_cpu():
+    """The CUDA path (bf16 weights on fp32 masters, the iteration in bf16 on the GPU) follows the CPU's fp32
+    iteration within bf16's rounding over a few steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    runs = {}
+    for device in ("cpu", "cuda"):
+        ps = [torch.nn.Parameter(p.detach().to(device)) for p in _layered()]
+        opt = DeviceMuon(ps, ps[:3], lr=0.02, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0,
+                         fp32_masters=device == "cuda")
+        if device == "cpu":
+            opt.ns_dtype = torch.float32
+        else:
+            assert opt.ns_dtype == torch.bfloat16
+            for p in ps:
+                p.data = p.data.bfloat16()
+        for step in range(4):
+            _set_grads(ps, step)
+            opt.step()
+            opt.zero_grad()
+        runs[device] = [m.detach().float().cpu() for m in opt.masters]
+    start = _layered()
+    for a, b, s in zip(runs["cpu"][:3], runs["cuda"][:3], start[:3], strict=True):
+        assert float((a - b).norm()) < 0.05 * float((a - s.detach()).norm())

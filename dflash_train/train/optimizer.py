@@ -158,9 +158,10 @@ def orthogonalize(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
         x = x.mT
     # the spectral norm is at most the Frobenius norm: every singular value <= 1
     x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + 1e-7)
+    mm_add = torch.addmm if x.dim() == 2 else torch.baddbmm  # beta * input + alpha * (m1 @ m2), one kernel
     for _ in range(steps):
         gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        x = mm_add(x, mm_add(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return (x.mT if tall else x).float()
 
 

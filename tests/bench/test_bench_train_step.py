@@ -35,19 +35,24 @@ def test_the_layers_table_gives_every_variant_a_ratio_to_one_layer():
     assert float(rows[0][3]) == 1.0 and all(float(step) > 0 for _, _, step, _ in rows)
 
 
-def test_the_anchor_slot_variants_give_the_same_loss_and_gradient():
-    """--anchor-slot's baseline computes slot 0 through the last layer and drops it, as the step did before: the
-    same loss and feature-projection gradient as the step that skips it, or its ratio would compare other maths."""
+def _variant_rows(*names):
+    """Each named variant's JSON row, one step, each in a process of its own as the bench runs it."""
     import json
 
-    runs = {}
-    for name in ("anchor-slot-computed", "anchor-slot-skipped"):
+    rows = []
+    for name in names:
         out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_step.py"), "--variant", name,
                               "--steps", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT,
                              env={**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})
         assert out.returncode == 0, out.stderr[-3000:]
-        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    a, b = runs["anchor-slot-computed"], runs["anchor-slot-skipped"]
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def test_the_anchor_slot_variants_give_the_same_loss_and_gradient():
+    """--anchor-slot's baseline computes slot 0 through the last layer and drops it, as the step did before: the
+    same loss and feature-projection gradient as the step that skips it, or its ratio would compare other maths."""
+    a, b = _variant_rows("anchor-slot-computed", "anchor-slot-skipped")
     # bf16-mixed: matmuls of other shapes round differently (bf16 keeps ~3 significant digits)
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
     assert max(abs(x - y) for x, y in zip(a["fc_grad"], b["fc_grad"], strict=True)) < 2e-2 * max(
@@ -57,16 +62,7 @@ def test_the_anchor_slot_variants_give_the_same_loss_and_gradient():
 def test_the_optimizer_variants_step_the_rule_they_name():
     """--optimizer: each variant times the recipe's step with the optimizer it names; Muon's variants differ from
     AdamW's only in the matrices' rule (the same loss before the first update)."""
-    import json
-
-    runs = {}
-    for name in ("optimizer-adamw", "optimizer-muon-ns3"):
-        out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_step.py"), "--variant", name,
-                              "--steps", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                             env={**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    a, m = runs["optimizer-adamw"], runs["optimizer-muon-ns3"]
+    a, m = _variant_rows("optimizer-adamw", "optimizer-muon-ns3")
     assert (a["optimizer"], m["optimizer"]) == ("DeviceAdamW", "DeviceMuon")
     assert a["loss"] == pytest.approx(m["loss"], rel=1e-6)  # the first step's loss, before any update
     assert a["last_loss"] != m["last_loss"]  # after one update by each rule

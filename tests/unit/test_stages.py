@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-# a stage: writes its pid, then on a signal waits 0.5 s (a second one would be recorded), writes the names and exits
+# a stage: writes its pid (atomically), then on a signal waits 0.5 s (a second one would be recorded), writes the names and exits
 CHILD = r"""
 import os, signal, sys, time
 from pathlib import Path
@@ -26,7 +26,9 @@ def handler(signum, frame):
         sys.exit(128 + signum)
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(s, handler)
-out.with_suffix(".pid").write_text(str(os.getpid()))
+# whole or not at all: the test reads the pid as soon as the file exists (an empty read failed a CI run)
+out.with_suffix(".pid.tmp").write_text(str(os.getpid()))
+os.replace(out.with_suffix(".pid.tmp"), out.with_suffix(".pid"))
 while True:
     time.sleep(0.05)
 """

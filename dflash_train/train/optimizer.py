@@ -167,7 +167,8 @@ def orthogonalize(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
 
 def muon_dtype(device: torch.device) -> torch.dtype:
     """The Newton-Schulz iteration's dtype: bf16 where the hardware multiplies it natively (a GPU, a CPU with
-    bf16 instructions: 0.096 s for the demo drafter's eight matrices on 2 Zen 4 cores), fp32 elsewhere (an
+    bf16 instructions: ~0.11 s a step for the demo drafter's eight matrices on 2 Zen 4 cores, by
+    `bench/bench_train_step.py --optimizer`), fp32 elsewhere (an
     emulated bf16 iteration was ~8x the whole CPU step on Ice Lake: docs/results/2026-11-29-drafter-quality-round-14.md)."""
     if device.type == "cuda":
         return torch.bfloat16
@@ -255,6 +256,10 @@ class DeviceMuon(DeviceAdamW):
                               for b, m in zip(momentum, self.muon_masters, strict=True)]
 
 
+MUON_NEEDS_OWN_STEP = ("optim.algorithm: muon runs as the toolkit's own optimizer step, not DeepSpeed's: set "
+                       "engine.zero_stage: 0 and engine.optimizer: torch, or use adamw")
+
+
 def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
                     weight_decay: float, grad_clip: float, own_step: bool, fp32_masters: bool,
                     decay_on: str = "matrices", muon: list[torch.nn.Parameter] | None = None,
@@ -263,8 +268,7 @@ def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple
     matrices Muon steps. Otherwise torch's AdamW for DeepSpeed's ZeRO optimizers to wrap (fused on CUDA; they
     clip themselves)."""
     if muon is not None and not own_step:
-        raise ValueError("optim.algorithm: muon runs as the toolkit's own optimizer step: set engine.zero_stage: 0 "
-                         "and engine.optimizer: torch, or use adamw")
+        raise ValueError(MUON_NEEDS_OWN_STEP)
     if muon is not None:
         return DeviceMuon(params, muon, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                           fp32_masters=fp32_masters, decay_on=decay_on, momentum=muon_momentum,

@@ -164,15 +164,13 @@ def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
     """(engine, scheduler). The scheduler steps once per optimizer step, inside engine.step()."""
     import deepspeed
 
-    from dflash_train.train.optimizer import MUON_NEEDS_OWN_STEP, build_optimizer, decay_groups
+    from dflash_train.train.optimizer import build_optimizer, decay_groups
 
     params = [p for p in model.parameters() if p.requires_grad]
     o = recipe.optim
     optimizer = None
     own, bf16 = own_step(recipe), use_bf16(recipe)
-    muon = muon_matrices(model) if o.algorithm == "muon" else None
-    if muon is not None and not own:  # DeepSpeed's optimizer never reaches build_optimizer's own check
-        raise ValueError(MUON_NEEDS_OWN_STEP)
+    muon = muon_matrices(model) if o.algorithm == "muon" else None  # the recipe refuses it without own_step
     if recipe.engine.optimizer == "torch":  # masters are taken from the fp32 weights, before any cast
         optimizer = build_optimizer(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
                                     grad_clip=o.grad_clip, own_step=own, fp32_masters=own and bf16,

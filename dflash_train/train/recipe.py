@@ -298,6 +298,9 @@ class TrainRecipe(_Section):
         if self.engine.zero_stage == 3 and self.drafter.train_lm_head and self.drafter.draft_vocab_size:
             raise ValueError("drafter.train_lm_head: a trained reduced-vocabulary head cannot run under "
                              "engine.zero_stage 3; set engine.zero_stage 2 (or 0/1), or train_lm_head: false")
+        if self.optim.algorithm == "muon" and (self.engine.zero_stage != 0 or self.engine.optimizer != "torch"):
+            raise ValueError("optim.algorithm: muon runs as the toolkit's own optimizer step: set engine.zero_stage: 0 "
+                             "and engine.optimizer: torch, or use optim.algorithm: adamw")
         if self.objective.loss == "kl" and self.objective.kl_teacher == "draft_vocab" and not self.drafter.draft_vocab_size:
             raise ValueError("objective.kl_teacher: draft_vocab needs a reduced vocabulary (drafter.draft_vocab_size); "
                              "set one, or kl_teacher: target_vocab")

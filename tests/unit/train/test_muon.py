@@ -178,6 +178,10 @@ def test_muon_refuses_settings_it_cannot_run_under():
 
     with pytest.raises(ConfigError, match="algorithm"):
         load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.algorithm=lion"])
+    # a recipe that could not run it is refused when it loads, not after the target and data are ready
+    for sets in (["engine.zero_stage=1"], ["engine.optimizer=deepspeed"]):
+        with pytest.raises(ConfigError, match="engine.zero_stage: 0 and engine.optimizer: torch"):
+            load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.algorithm=muon", *sets])
 
 
 def test_a_stack_is_orthogonalised_matrix_by_matrix():

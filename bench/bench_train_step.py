@@ -23,18 +23,21 @@ subprocess per variant, and each ratio is the median of its rounds' ratios: a sh
 every variant alike.
 
 `--optimizer` times the recipe's step with its optimizer step (the other modes leave it out): AdamW (the recipe)
-against Muon for the layers' matrices and fc (`optim.algorithm: muon`) at 5 and 3 Newton-Schulz iterations, in
-the same interleaved rounds.
+against Muon for the layers' matrices and fc (`optim.algorithm: muon`) at 5 and 3 Newton-Schulz iterations a
+step, and at 5 every 8th step (`optim.muon_every: 8`; time a multiple of 8 steps), in the same interleaved rounds.
 
 `--anchor-slot` compares the recipe's step (one layer of 1,536) with the last layer computing the anchor's slot
 0 and dropping its output, as before 2026-12-04, against skipping that work (`forward_train(anchor_slot=False)`),
-in the same interleaved rounds. `--kernels` compares the same step with the head's epilogue and the layers' norms,
-SwiGLU and RoPE eager (the CPU default: `objective.head`, `objective.layer_kernels` auto) and compiled (Inductor's
+in the same interleaved rounds. `--split-grid` compares the same step on a micro-batch like the demo's (eight
+documents of 128 tokens, 32 blocks each) with split attention run by run, each run checkpointed (before
+2026-12-05), and all runs in one padded grid (`modeling_dflash.SPLIT_GRID_ELEMENTS`). `--kernels` compares
+the same step with the head's epilogue and the layers' norms, SwiGLU and RoPE eager (the CPU default: `objective.head`, `objective.layer_kernels` auto) and compiled (Inductor's
 C++ kernels; the first, untimed step compiles).
 
 Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]
        python bench/bench_train_step.py --layers [--steps 10] [--rounds 3]
-       python bench/bench_train_step.py --anchor-slot | --kernels | --optimizer [--steps 10] [--rounds 3]
+       python bench/bench_train_step.py --anchor-slot | --kernels | --optimizer | --split-grid [--steps 10]
+           [--rounds 3]
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Shape:
     tokens: int = T
     anchors: int = ANCHORS
     block: int = B
+    documents: int = 1  # the tokens as this many documents of equal length, `anchors` spread over them
 
 
 SMOLLM2 = Shape()
@@ -94,13 +98,16 @@ def build_step(shape: Shape, device: str = "cpu", dtype=None):
     model.to(device, dtype)
     model.attach_target_weights((torch.randn(s.vocab, s.target_hidden) * 0.02).to(device, dtype),
                                 (torch.randn(s.vocab, s.hidden) * 0.02).to(device, dtype))
-    mask = torch.zeros(s.tokens, dtype=torch.bool)
-    mask[64:] = True  # a prompt then the assistant answer
-    doc = Document(torch.randint(0, s.vocab, (s.tokens,)), mask,
-                   torch.randn(s.tokens, s.features * s.target_hidden).to(device, dtype),
-                   torch.randint(0, s.vocab, (s.tokens,)))
-    mb = build_microbatch([doc], [0], block_size=s.block, anchors_per_document=s.anchors, labels="greedy", seed=0,
-                          epoch=0)
+    length = s.tokens // s.documents
+    docs = []
+    for _ in range(s.documents):
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[length // 16:] = True  # a prompt then the assistant answer (64 of 1,024 tokens)
+        docs.append(Document(torch.randint(0, s.vocab, (length,)), mask,
+                             torch.randn(length, s.features * s.target_hidden).to(device, dtype),
+                             torch.randint(0, s.vocab, (length,))))
+    mb = build_microbatch(docs, list(range(s.documents)), block_size=s.block,
+                          anchors_per_document=s.anchors // s.documents, labels="greedy", seed=0, epoch=0)
     return model, mb
 
 
@@ -149,9 +156,15 @@ LAYERS = {"layers-1x1536": (1, 1536), "layers-2x512": (2, 512), "layers-2x1536":
 ANCHOR_SLOT = {"anchor-slot-computed": True, "anchor-slot-skipped": False}
 # --kernels: the head's epilogue and the layers' norms, SwiGLU and RoPE eager (the CPU default) or compiled
 KERNELS = {"kernels-eager": "eager", "kernels-compiled": "compiled"}
+# --split-grid: the recipe's step on a micro-batch like the demo's (8 documents of 128 tokens, 32 blocks each) with
+# split attention run by run (checkpointed: before 2026-12-05) and in one padded grid (SPLIT_GRID_ELEMENTS)
+SPLIT_GRID = {"split-runs": 0, "split-grid": None}
+DEMO_DOCS = replace(SMOLLM2, vocab=4096, block=4, anchors=256, documents=8)
 # --optimizer: the recipe's step with its optimizer step after the backward: AdamW (the recipe), or Muon for the
-# layers' matrices and fc at 5 and 3 Newton-Schulz iterations (`optim.algorithm: muon`, `optim.muon_ns_steps`)
-OPTIMIZERS = {"optimizer-adamw": None, "optimizer-muon-ns5": 5, "optimizer-muon-ns3": 3}
+# layers' matrices and fc at 5 and 3 Newton-Schulz iterations a step (`optim.algorithm: muon`,
+# `optim.muon_ns_steps`), and 5 every 8th step (`optim.muon_every`: time a multiple of 8 steps, e.g. --steps 16)
+OPTIMIZERS = {"optimizer-adamw": None, "optimizer-muon-ns5": (5, 1), "optimizer-muon-ns3": (3, 1),
+              "optimizer-muon-every8": (5, 8)}
 
 
 def _compute_the_anchor_slot() -> None:
@@ -178,12 +191,17 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     if ANCHOR_SLOT.get(name):
         _compute_the_anchor_slot()
     # bf16-mixed with prefix weighting at the B=4 demo's shape, this depth and width (--anchor-slot: the recipe's)
-    depth = LAYERS.get(name) or (LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS, **OPTIMIZERS}
-                                 else None)
+    if name in SPLIT_GRID and SPLIT_GRID[name] is not None:
+        import dflash_train.model.modeling_dflash as modeling
+
+        modeling.SPLIT_GRID_ELEMENTS = SPLIT_GRID[name]
+    depth = LAYERS.get(name) or (LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS, **OPTIMIZERS,
+                                                                      **SPLIT_GRID} else None)
     kernels = KERNELS.get(name, "eager")
     prefix = name == "prefix-weighting" or depth is not None  # objective.prefix_weighting on
     if depth is not None:
-        model, mb = build_step(replace(DEMO_B4, layers=depth[0], intermediate=depth[1]))
+        shape = DEMO_DOCS if name in SPLIT_GRID else DEMO_B4
+        model, mb = build_step(replace(shape, layers=depth[0], intermediate=depth[1]))
         model.use_fused_ops(kernels == "compiled")
     else:
         model, mb = build_step(DEMO) if name in PRECISIONS or prefix else _setup(vocab)
@@ -197,9 +215,10 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         from dflash_train.train.optimizer import build_optimizer
 
         params = [p for p in model.parameters() if p.requires_grad]
-        ns = OPTIMIZERS[name]
+        ns, every = OPTIMIZERS[name] or (5, 1)
         opt = build_optimizer(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, own_step=True,
-                              fp32_masters=False, muon=muon_matrices(model) if ns else None, muon_ns_steps=ns or 5)
+                              fp32_masters=False, muon=muon_matrices(model) if OPTIMIZERS[name] else None,
+                              muon_ns_steps=ns, muon_every=every)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     positions = int((mb.labels != -100).sum())
@@ -245,10 +264,13 @@ def main() -> None:
                     help="compare the demo recipe's step with the last layer computing slot 0 and skipping it instead")
     ap.add_argument("--kernels", action="store_true",
                     help="compare the demo recipe's step with its head epilogue and layer kernels eager and compiled")
+    ap.add_argument("--split-grid", action="store_true",
+                    help="compare the demo recipe's step on 8 documents with split attention run by run and in one grid")
     ap.add_argument("--optimizer", action="store_true",
-                    help="compare the demo recipe's step with its optimizer step: AdamW against Muon (5 and 3 iterations)")
+                    help="compare the demo recipe's step with its optimizer step: AdamW against Muon (5 and 3 "
+                         "iterations a step, 5 every 8th step)")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="--layers, --anchor-slot, --kernels, --optimizer: turns of every variant")
+                    help="--layers, --anchor-slot, --kernels, --optimizer, --split-grid: turns of every variant")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -257,9 +279,9 @@ def main() -> None:
     from dflash_train.machine import describe, machine_facts
 
     print(f"machine: {describe(machine_facts())}")
-    if args.layers or args.anchor_slot or args.kernels or args.optimizer:
+    if args.layers or args.anchor_slot or args.kernels or args.optimizer or args.split_grid:
         _compare_in_turns(args, LAYERS if args.layers else ANCHOR_SLOT if args.anchor_slot else KERNELS
-                          if args.kernels else OPTIMIZERS)
+                          if args.kernels else OPTIMIZERS if args.optimizer else SPLIT_GRID)
         return
     names = PRECISIONS if args.precisions else ("bf16-mixed", "prefix-weighting") if args.prefix else ("naive", "ours")
     results = {name: _one(name, args) for name in names}
@@ -300,9 +322,10 @@ def _compare_in_turns(args, variants: dict) -> None:
 
     names = list(variants)
     rounds = [{name: _one(name, args)["step_s"] for name in names} for _ in range(args.rounds)]
-    s = DEMO_B4
+    s = DEMO_DOCS if variants is SPLIT_GRID else DEMO_B4
     what = "forward + backward + the optimizer's step" if variants is OPTIMIZERS else "forward + backward, no optimizer"
-    print(f"T={s.tokens} anchors={s.anchors} B={s.block} vocab={s.vocab}, bf16-mixed, prefix weighting, "
+    print(f"T={s.tokens} in {s.documents} document(s) anchors={s.anchors} B={s.block} vocab={s.vocab}, bf16-mixed, "
+          "prefix weighting, "
           f"{args.steps} timed steps x {args.rounds} rounds ({what})")
     for name in names:
         steps = [r[name] for r in rounds]

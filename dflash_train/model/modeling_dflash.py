@@ -38,6 +38,11 @@ from dflash_train.model.config import DFlashConfig
 from dflash_train.model.fused_ops import rotate_half
 from dflash_train.model.train_layout import TrainLayout, dense_training_mask
 
+# split attention computes all runs in one padded grid up to this many scores (runs x blocks a run x heads x
+# queries a block x context span: ~5M for a CPU demo micro-batch of 1,024 tokens; 64 MiB in fp32), run by run
+# past it (a long-document GPU batch, the every-position check)
+SPLIT_GRID_ELEMENTS = 1 << 24
+
 
 class DFlashRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
@@ -190,13 +195,19 @@ class DFlashAttention(nn.Module):
         one document): scores against the visible context span are [n, Hq, B, c1-c0] with the
         anchor cutoff as a mask, scores against the own block are [n, Hq, B, B]. Concatenating
         the two and normalising once is the same softmax as the dense reference, never building
-        the [N*B, T + N*B] mask and never scoring a block against another document. When
-        gradients are needed each run is checkpointed: its scores and probabilities are freed
-        after the forward and recomputed in the backward, so memory holds one run's scores,
-        not every block's. `q` holds the queries of slots q_from.. only.
+        the [N*B, T + N*B] mask and never scoring a block against another document. While the
+        runs padded side by side stay under `SPLIT_GRID_ELEMENTS` scores, all runs are computed at
+        once (`_attend_grid`: a few batched ops instead of a dozen per run, which is what a CPU
+        step of many short documents waited on); past it each run is computed on its own and, when
+        gradients are needed, checkpointed: its scores and probabilities are freed after the
+        forward and recomputed in the backward, so memory holds one run's scores, not every
+        block's. `q` holds the queries of slots q_from.. only.
         """
         blk_ok = layout.block_allowed(self.window)
         blk_ok = None if blk_ok is None else blk_ok[q_from:]
+        _, _, _, runs, per_run, span = layout.padded_runs(self.window)
+        if runs * per_run * q.shape[1] * q.shape[2] * span <= SPLIT_GRID_ELEMENTS:
+            return self._attend_grid(q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from, blk_ok)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_blk, v_blk, ctx_k, ctx_v))
         outs = []
         for lo, hi, c0, c1 in layout.segments():
@@ -207,6 +218,34 @@ class DFlashAttention(nn.Module):
             else:
                 outs.append(self._attend_run(*args))
         return torch.cat(outs, dim=0)
+
+    def _attend_grid(self, q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from, blk_ok):
+        """Every run at once: the blocks' queries scattered into a [R, Hq, P * B, d] grid of runs, scored
+        against each run's context span gathered into [R, Hq, L, d], the scores gathered back per block for
+        the same one softmax over [own context ; own block] as `_attend_run`, and the probabilities
+        scattered into the grid again for the values. q [N, Hq, Bq, d] -> [N, Hq, Bq, d]."""
+        rows, ctx_index, ctx_ok, runs, per_run, span = layout.padded_runs(self.window)
+        n, h, bq, d = q.shape
+
+        def to_grid(x):  # [N, h, bq, e] -> [R, h, P * bq, e]
+            grid = x.new_zeros(runs * per_run, *x.shape[1:]).index_copy(0, rows, x)
+            return grid.view(runs, per_run, h, bq, -1).transpose(1, 2).reshape(runs, h, per_run * bq, -1)
+
+        def from_grid(x):  # [R, h, P * bq, e] -> [N, h, bq, e]
+            return x.view(runs, h, per_run, bq, -1).transpose(1, 2).reshape(runs * per_run, h, bq, -1).index_select(
+                0, rows)
+
+        # index_select, not ctx_k[:, ctx_index]: its backward (index_add) is ~4x faster on a CPU than indexing's
+        flat = ctx_index.flatten()
+        kc = ctx_k.index_select(1, flat).unflatten(1, ctx_index.shape).transpose(0, 1)  # [R, h, L, d]
+        vc = ctx_v.index_select(1, flat).unflatten(1, ctx_index.shape).transpose(0, 1)
+        s_ctx = from_grid(to_grid(q) @ kc.mT) * self.scale
+        s_ctx = s_ctx.masked_fill(~ctx_ok[:, :, q_from:], float("-inf"))
+        s_blk = torch.einsum("nhbd,nhcd->nhbc", q, k_blk) * self.scale
+        if blk_ok is not None:
+            s_blk = s_blk.masked_fill(~blk_ok, float("-inf"))
+        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(q.dtype)
+        return from_grid(to_grid(p[..., :span]) @ vc) + torch.einsum("nhbc,nhcd->nhbd", p[..., span:], v_blk)
 
     def _attend_run(self, q, k_blk, v_blk, kc, vc, ctx_allowed, blk_allowed):
         """One run of blocks: q/k_blk/v_blk [n, Hq, B, d], kc/vc [Hq, t, d] -> [n, Hq, B, d]."""

@@ -78,6 +78,31 @@ class TrainLayout:
                                                   self.block_positions, window, self.ctx_pad)
         return self.cache[key]
 
+    def padded_runs(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+        """The split runs side by side in one padded grid of R runs x P blocks against L context tokens, so
+        that attention over all of them is a few batched ops (split attention, `SPLIT_GRID_ELEMENTS`):
+        (rows [N]: block n's row r * P + j in the grid, ctx_index [R, L]: the packed index of run r's l-th
+        context token, clamped inside the sequence, ctx_ok [N, 1, B, L] bool: block n's slot k may attend to
+        it), R, P, L. Built once from the host's runs, shared by every layer."""
+        key = ("padded", window)
+        if key not in self.cache:
+            runs = self.segments()
+            dev = self.anchors.device
+            grid_p = max(hi - lo for lo, hi, _, _ in runs)
+            grid_l = max(1, max(c1 - c0 for _, _, c0, c1 in runs))
+            rows = torch.tensor([r * grid_p + j for r, (lo, hi, _, _) in enumerate(runs) for j in range(hi - lo)],
+                                device=dev)
+            run_of = torch.tensor([r for r, (lo, hi, _, _) in enumerate(runs) for _ in range(lo, hi)], device=dev)
+            t = torch.tensor([c0 for _, _, c0, _ in runs], device=dev)[:, None] + torch.arange(grid_l, device=dev)
+            ctx_index = t.clamp(max=self.ctx_positions.numel() - 1)
+            # a run's context starts at its document's start: before the anchor is all a block may see there
+            ok = (t[run_of] < self.anchors[:, None])[:, None, :].expand(-1, self.block_positions.shape[1], -1)
+            if window is not None:
+                dist = self.block_positions[:, :, None] - self.ctx_positions[ctx_index[run_of]][:, None, :]
+                ok = ok & (dist < window)
+            self.cache[key] = (rows, ctx_index, ok[:, None], len(runs), grid_p, grid_l)
+        return self.cache[key]
+
     def to(self, device: torch.device) -> TrainLayout:
         """This layout on `device`. The split runs are computed here, from the host copy, so the step
         never reads layout values back from the device; host tensors go through pinned memory."""

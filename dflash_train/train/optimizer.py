@@ -189,7 +189,7 @@ class DeviceMuon(DeviceAdamW):
 
     def __init__(self, params: Iterable[torch.nn.Parameter], matrices: Iterable[torch.nn.Parameter], *, lr: float,
                  betas: tuple[float, float], weight_decay: float, grad_clip: float, fp32_masters: bool,
-                 decay_on: str = "matrices", momentum: float = 0.95, ns_steps: int = 5):
+                 decay_on: str = "matrices", momentum: float = 0.95, ns_steps: int = 5, every: int = 1):
         params = list(params)
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                          fp32_masters=fp32_masters, decay_on=decay_on)
@@ -201,10 +201,17 @@ class DeviceMuon(DeviceAdamW):
                              "projections and fc); use adamw")
         self.momentum = float(momentum)
         self.ns_steps = int(ns_steps)
+        if every < 1:
+            raise ValueError(f"optim.muon_every is {every}; use 1 (orthogonalise every step) or more")
+        self.every = int(every)
         self.ns_dtype = muon_dtype(self.muon_masters[0].device)
         self.muon_weight_decay = float(weight_decay)
         # the momentum buffers live beside AdamW's state, not in it (AdamW's loader expects its own keys there)
         self.muon_momentum: list[torch.Tensor | None] = [None] * len(self.muon_masters)
+        # `every` > 1: the orthogonalised update of the last refresh, applied until the next (in the iteration's
+        # dtype, which holds it exactly), and the Muon steps taken so far (which steps refresh)
+        self.muon_direction: list[torch.Tensor | None] = [None] * len(self.muon_masters)
+        self.muon_steps = 0
 
     def _step_matrices(self, coef: torch.Tensor | None) -> None:
         live = [(i, m) for i, m in enumerate(self.muon_masters) if m.grad is not None]
@@ -219,23 +226,36 @@ class DeviceMuon(DeviceAdamW):
                 self.muon_momentum[i] = torch.zeros_like(m)
         bufs = [self.muon_momentum[i] for i, _ in live]
         torch._foreach_lerp_(bufs, grads, 1 - self.momentum)
-        updates = torch._foreach_lerp(grads, bufs, self.momentum)  # Nesterov's blend
-        # matrices of one shape (up to a transpose: gate, up and down; q and o; k and v) take one batched iteration:
-        # the same maths in a few large matmuls instead of many small ones (kernel launches on a GPU)
+        refresh = self.muon_steps % self.every == 0 or any(self.muon_direction[i] is None for i, _ in live)
+        self.muon_steps += 1
+        if refresh:
+            directions = self._orthogonalized(live, torch._foreach_lerp(grads, bufs, self.momentum))  # Nesterov
+            if self.every > 1:
+                for (i, _), d in zip(live, directions, strict=True):
+                    self.muon_direction[i] = d.to(self.ns_dtype)
+        else:  # between refreshes: the last direction again (the momentum above still takes every gradient)
+            directions = [self.muon_direction[i].float() for i, _ in live]
+        masters = [m for _, m in live]
+        if self.muon_weight_decay:
+            torch._foreach_mul_(masters, 1 - lr * self.muon_weight_decay)
+        for (_, m), d in zip(live, directions, strict=True):
+            m.add_(d, alpha=-lr * 0.2 * max(m.shape) ** 0.5)
+        for _, m in live:
+            m.grad = None  # AdamW skips it
+
+    def _orthogonalized(self, live: list[tuple[int, torch.Tensor]], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each update orthogonalised (fp32, each in its matrix's shape). Matrices of one shape up to a transpose
+        (gate, up and down; q and o; k and v) take one batched iteration: the same maths in a few large matmuls
+        instead of many small ones (kernel launches on a GPU)."""
         shapes: dict[tuple[int, int], list[int]] = {}
         for k, (_, m) in enumerate(live):
             shapes.setdefault((min(m.shape), max(m.shape)), []).append(k)
-        for (short, long), ks in shapes.items():
+        out: list[torch.Tensor | None] = [None] * len(live)
+        for (short, _), ks in shapes.items():
             wide = torch.stack([updates[k] if updates[k].shape[0] == short else updates[k].mT for k in ks])
-            ortho = orthogonalize(wide, self.ns_steps, self.ns_dtype)
-            masters = [live[k][1] for k in ks]
-            if self.muon_weight_decay:
-                torch._foreach_mul_(masters, 1 - lr * self.muon_weight_decay)
-            torch._foreach_add_(masters, [o if m.shape[0] == short else o.mT for o, m in zip(ortho, masters,
-                                                                                             strict=True)],
-                                alpha=-lr * 0.2 * long ** 0.5)
-        for _, m in live:
-            m.grad = None  # AdamW skips it
+            for k, o in zip(ks, orthogonalize(wide, self.ns_steps, self.ns_dtype), strict=True):
+                out[k] = o if live[k][1].shape[0] == short else o.mT
+        return out
 
     def _group_of(self, p: torch.Tensor) -> dict:
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
@@ -243,6 +263,9 @@ class DeviceMuon(DeviceAdamW):
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["muon_momentum"] = [None if b is None else b.detach().clone() for b in self.muon_momentum]
+        if self.every > 1:
+            sd["muon_direction"] = [None if d is None else d.detach().clone() for d in self.muon_direction]
+        sd["muon_steps"] = self.muon_steps
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -251,9 +274,18 @@ class DeviceMuon(DeviceAdamW):
         if momentum is None or len(momentum) != len(self.muon_masters):
             raise ValueError("optimizer state without Muon's momentum for these matrices (saved with optim.algorithm "
                              "adamw, or another drafter); resume with the settings the run was started with")
+        direction = state_dict.pop("muon_direction", None)
+        steps = state_dict.pop("muon_steps", None)
+        if self.every > 1 and (direction is None or steps is None):
+            raise ValueError("optimizer state without Muon's last orthogonalised update (saved with another "
+                             "optim.muon_every); resume with the settings the run was started with")
         super().load_state_dict(state_dict)
         self.muon_momentum = [None if b is None else b.to(m.device, m.dtype).clone()
                               for b, m in zip(momentum, self.muon_masters, strict=True)]
+        if self.every > 1:
+            self.muon_direction = [None if d is None else d.to(m.device, self.ns_dtype).clone()
+                                   for d, m in zip(direction, self.muon_masters, strict=True)]
+        self.muon_steps = int(steps or 0)
 
 
 MUON_NEEDS_OWN_STEP = ("optim.algorithm: muon runs as the toolkit's own optimizer step, not DeepSpeed's: set "
@@ -263,7 +295,7 @@ MUON_NEEDS_OWN_STEP = ("optim.algorithm: muon runs as the toolkit's own optimize
 def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
                     weight_decay: float, grad_clip: float, own_step: bool, fp32_masters: bool,
                     decay_on: str = "matrices", muon: list[torch.nn.Parameter] | None = None,
-                    muon_momentum: float = 0.95, muon_ns_steps: int = 5):
+                    muon_momentum: float = 0.95, muon_ns_steps: int = 5, muon_every: int = 1):
     """`own_step` (no ZeRO): a DeviceAdamW that clips on the device, or a DeviceMuon when `muon` names the
     matrices Muon steps. Otherwise torch's AdamW for DeepSpeed's ZeRO optimizers to wrap (fused on CUDA; they
     clip themselves)."""
@@ -272,7 +304,7 @@ def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple
     if muon is not None:
         return DeviceMuon(params, muon, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                           fp32_masters=fp32_masters, decay_on=decay_on, momentum=muon_momentum,
-                          ns_steps=muon_ns_steps)
+                          ns_steps=muon_ns_steps, every=muon_every)
     if own_step:
         return DeviceAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                            fp32_masters=fp32_masters, decay_on=decay_on)

@@ -224,6 +224,9 @@ class OptimConfig(_Section):
     algorithm: Literal["adamw", "muon"] = "adamw"
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     muon_ns_steps: int = Field(5, ge=1)  # Newton-Schulz iterations a step
+    # orthogonalise every this many steps and apply that update until the next (the momentum takes every step's
+    # gradient): the iteration's cost over `muon_every` steps
+    muon_every: int = Field(1, ge=1)
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
 

@@ -67,3 +67,17 @@ def test_the_optimizer_variants_step_the_rule_they_name():
     assert a["loss"] == pytest.approx(m["loss"], rel=1e-6)  # the first step's loss, before any update
     assert a["last_loss"] != m["last_loss"]  # after one update by each rule
     assert a["step_s"] > 0 and m["step_s"] > 0
+
+
+def test_the_split_grid_variants_compute_the_same_step():
+    """--split-grid: attention run by run and in one padded grid over the same eight documents give one loss and
+    gradient (bf16-mixed rounding apart), or the ratio would compare other maths; the micro-batch holds the
+    documents and blocks it names."""
+    from bench_train_step import DEMO_DOCS, build_step
+
+    _, mb = build_step(replace(DEMO_DOCS, tokens=256, anchors=32))
+    assert len(mb.layout.segments()) == DEMO_DOCS.documents and mb.anchors.numel() == 32
+    a, b = _variant_rows("split-runs", "split-grid")
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+    assert max(abs(x - y) for x, y in zip(a["fc_grad"], b["fc_grad"], strict=True)) < 2e-2 * max(
+        abs(x) for x in a["fc_grad"])

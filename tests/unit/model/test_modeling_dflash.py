@@ -99,9 +99,16 @@ def test_blocks_are_bidirectional_inside_and_blind_to_each_other(tiny_config):
     torch.testing.assert_close(after[0], base[0], rtol=0, atol=1e-6)  # block 0 never sees block 1
 
 
+@pytest.mark.parametrize("grid", [True, False])
 @pytest.mark.parametrize("chunk_blocks", [32, 2, 1])
 @pytest.mark.parametrize("sliding", [False, True])
-def test_split_attention_equals_dense_reference_forward_and_backward(tiny_config, sliding, chunk_blocks):
+def test_split_attention_equals_dense_reference_forward_and_backward(tiny_config, sliding, chunk_blocks, grid,
+                                                                     monkeypatch):
+    """Split attention, all runs in one padded grid (`grid`) or run by run (checkpointed), against the dense mask."""
+    import dflash_train.model.modeling_dflash as modeling
+
+    if not grid:
+        monkeypatch.setattr(modeling, "SPLIT_GRID_ELEMENTS", 0)
     update = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6} if sliding else {}
     cfg = tiny_config.model_copy(update=update)
     feats, ids, doc_start, positions = _packed(cfg, [25, 40])
@@ -173,6 +180,14 @@ def test_split_runs_stay_inside_one_document_and_stop_at_their_last_anchor(tiny_
     anchors = torch.tensor([1, 12, 20, 26, 50, 63])
     layout = train_layout(anchors, doc_start[anchors], positions, 4, chunk_blocks=2)
     assert layout.segments() == [(0, 2, 0, 12), (2, 3, 0, 20), (3, 5, 25, 50), (5, 6, 25, 63)]
+    # the same runs side by side: 4 runs of at most 2 blocks against at most 38 context tokens
+    rows, ctx_index, ctx_ok, runs, per_run, span = layout.padded_runs(None)
+    assert (runs, per_run, span) == (4, 2, 38)
+    assert rows.tolist() == [0, 1, 2, 4, 5, 6]
+    assert ctx_index[0].tolist() == list(range(38)) and ctx_index[3].tolist() == list(range(25, 63))
+    # block 4 (anchor 50, run 3 from token 25) sees tokens 25..49 of its run; block 0 (anchor 1) only token 0
+    assert ctx_ok[4, 0, 0].nonzero().squeeze(1).tolist() == list(range(25))
+    assert ctx_ok[0, 0, 0].nonzero().squeeze(1).tolist() == [0]
 
 
 def test_dense_mask_is_the_training_mask(tiny_config):

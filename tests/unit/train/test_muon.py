@@ -184,6 +184,66 @@ def test_muon_refuses_settings_it_cannot_run_under():
             load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.algorithm=muon", *sets])
 
 
+@torch.no_grad()
+def test_muon_every_k_steps_reuses_the_last_direction_and_keeps_every_gradient():
+    """optim.muon_every 3: steps 0 and 3 orthogonalise; steps 1 and 2 move each matrix exactly as step 0 did (no
+    weight decay, one lr); the momentum takes every gradient, as with a refresh every step."""
+    kw = dict(lr=0.02, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=0.0, fp32_masters=False)
+    lazy, eager = _layered(), _layered()
+    opt = DeviceMuon(lazy, lazy[:3], every=3, **kw)
+    ref = DeviceMuon(eager, eager[:3], **kw)
+    for o in (opt, ref):
+        o.ns_dtype = torch.float32
+    moves = []
+    for step in range(4):
+        before = [p.detach().clone() for p in lazy[:3]]
+        for ps, o in ((lazy, opt), (eager, ref)):
+            _set_grads(ps, step)
+            o.step()
+        moves.append([p - b for p, b in zip(lazy[:3], before, strict=True)])
+        for a, b in zip(opt.muon_momentum, ref.muon_momentum, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    for k in range(3):
+        torch.testing.assert_close(moves[1][k], moves[0][k], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(moves[2][k], moves[0][k], rtol=1e-5, atol=1e-8)
+        # the refresh at step 3 orthogonalises the momentum of four gradients: another direction
+        assert float((moves[3][k] - moves[0][k]).norm()) > 0.1 * float(moves[0][k].norm())
+    # a refresh every step is the same rule as before: step 1 of the eager run moved otherwise than step 0
+    assert float((lazy[0] - eager[0]).norm()) > 1e-3
+
+
+def test_muon_every_resumes_mid_cycle_exactly():
+    """A state saved between refreshes carries the direction being reused and the step count; without them a
+    resume is refused (it would orthogonalise at another step and move otherwise)."""
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0, fp32_masters=True, every=4)
+    ps = _layered()
+    opt = DeviceMuon(ps, ps[:3], **kw)
+    for step in range(2):
+        _set_grads(ps, step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["muon_steps"] == 2 and all(d is not None for d in saved["muon_direction"])
+    again = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt2 = DeviceMuon(again, again[:3], **kw)
+    opt2.load_state_dict(saved)
+    for step in range(2, 6):  # through the refresh at step 4
+        for group, o in ((ps, opt), (again, opt2)):
+            _set_grads(group, step)
+            o.step()
+    for a, b in zip(opt.masters, opt2.masters, strict=True):
+        assert torch.equal(a, b)
+    every_step = DeviceMuon(ps, ps[:3], **{**kw, "every": 1}).state_dict()
+    with pytest.raises(ValueError, match="optim.muon_every"):
+        DeviceMuon(again, again[:3], **kw).load_state_dict(every_step)
+    with pytest.raises(ValueError, match="optim.muon_every is 0"):
+        DeviceMuon(again, again[:3], **{**kw, "every": 0})
+    from dflash_train.train.recipe import load_recipe
+
+    with pytest.raises(ConfigError, match="muon_every"):
+        load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.algorithm=muon", "optim.muon_every=0"])
+    assert load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.muon_every=8"]).recipe.optim.muon_every == 8
+
+
 def test_a_stack_is_orthogonalised_matrix_by_matrix():
     """DeviceMuon runs matrices of one shape (up to a transpose) as one stack: each must come out as it would
     alone (its own norm, no mixing between the stack's members)."""

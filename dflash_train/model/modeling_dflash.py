@@ -206,7 +206,7 @@ class DFlashAttention(nn.Module):
         blk_ok = layout.block_allowed(self.window)
         blk_ok = None if blk_ok is None else blk_ok[q_from:]
         _, _, _, runs, per_run, span = layout.padded_runs(self.window)
-        if runs * per_run * q.shape[1] * q.shape[2] * span <= SPLIT_GRID_ELEMENTS:
+        if runs and runs * per_run * q.shape[1] * q.shape[2] * span <= SPLIT_GRID_ELEMENTS:
             return self._attend_grid(q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from, blk_ok)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_blk, v_blk, ctx_k, ctx_v))
         outs = []

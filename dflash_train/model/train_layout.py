@@ -88,6 +88,10 @@ class TrainLayout:
         if key not in self.cache:
             runs = self.segments()
             dev = self.anchors.device
+            if not runs:  # no blocks: nothing to attend (split attention then has no run either)
+                empty = torch.zeros(0, dtype=torch.long, device=dev)
+                self.cache[key] = (empty, empty[:, None], torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=dev), 0, 0, 0)
+                return self.cache[key]
             grid_p = max(hi - lo for lo, hi, _, _ in runs)
             grid_l = max(1, max(c1 - c0 for _, _, c0, c1 in runs))
             rows = torch.tensor([r * grid_p + j for r, (lo, hi, _, _) in enumerate(runs) for j in range(hi - lo)],

@@ -188,6 +188,8 @@ def test_split_runs_stay_inside_one_document_and_stop_at_their_last_anchor(tiny_
     # block 4 (anchor 50, run 3 from token 25) sees tokens 25..49 of its run; block 0 (anchor 1) only token 0
     assert ctx_ok[4, 0, 0].nonzero().squeeze(1).tolist() == list(range(25))
     assert ctx_ok[0, 0, 0].nonzero().squeeze(1).tolist() == [0]
+    none = train_layout(anchors[:0], doc_start[:0], positions, 4)
+    assert none.segments() == [] and none.padded_runs(None)[3:] == (0, 0, 0)
 
 
 def test_dense_mask_is_the_training_mask(tiny_config):

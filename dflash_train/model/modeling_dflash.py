@@ -42,6 +42,10 @@ from dflash_train.model.train_layout import TrainLayout, dense_training_mask
 # queries a block x context span: ~5M for a CPU demo micro-batch of 1,024 tokens; 64 MiB in fp32), run by run
 # past it (a long-document GPU batch, the every-position check)
 SPLIT_GRID_ELEMENTS = 1 << 24
+# ... and while the grid's padding (its scores beyond those the runs compute one by one) stays under this many
+# scores per run it saves: on 2 Zen 4 cores a run's own dozen ops cost ~2 ms, ~250K padded scores about as much
+# (runs of one long document, whose spans grow run by run, stay run by run: the grid was 1.1-1.3x slower there)
+SPLIT_GRID_PADDING_PER_RUN = 250_000
 
 
 class DFlashRMSNorm(nn.Module):
@@ -196,17 +200,21 @@ class DFlashAttention(nn.Module):
         anchor cutoff as a mask, scores against the own block are [n, Hq, B, B]. Concatenating
         the two and normalising once is the same softmax as the dense reference, never building
         the [N*B, T + N*B] mask and never scoring a block against another document. While the
-        runs padded side by side stay under `SPLIT_GRID_ELEMENTS` scores, all runs are computed at
-        once (`_attend_grid`: a few batched ops instead of a dozen per run, which is what a CPU
-        step of many short documents waited on); past it each run is computed on its own and, when
+        runs padded side by side stay under `SPLIT_GRID_ELEMENTS` scores and their padding under
+        `SPLIT_GRID_PADDING_PER_RUN` a run, all runs are computed at once (`_attend_grid`: a few
+        batched ops instead of a dozen per run, which is what a CPU step of many short documents
+        waited on); otherwise each run is computed on its own and, when
         gradients are needed, checkpointed: its scores and probabilities are freed after the
         forward and recomputed in the backward, so memory holds one run's scores, not every
         block's. `q` holds the queries of slots q_from.. only.
         """
         blk_ok = layout.block_allowed(self.window)
         blk_ok = None if blk_ok is None else blk_ok[q_from:]
-        _, _, _, runs, per_run, span = layout.padded_runs(self.window)
-        if runs and runs * per_run * q.shape[1] * q.shape[2] * span <= SPLIT_GRID_ELEMENTS:
+        g = layout.padded_runs(self.window)
+        per_pair = q.shape[1] * q.shape[2]  # scores per (block, context token): heads x queries
+        grid = g.runs * g.per_run * g.span * per_pair
+        if g.runs and grid <= SPLIT_GRID_ELEMENTS and (
+                grid - g.run_pairs * per_pair <= (g.runs - 1) * SPLIT_GRID_PADDING_PER_RUN):
             return self._attend_grid(q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from, blk_ok)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_blk, v_blk, ctx_k, ctx_v))
         outs = []
@@ -224,7 +232,7 @@ class DFlashAttention(nn.Module):
         against each run's context span gathered into [R, Hq, L, d], the scores gathered back per block for
         the same one softmax over [own context ; own block] as `_attend_run`, and the probabilities
         scattered into the grid again for the values. q [N, Hq, Bq, d] -> [N, Hq, Bq, d]."""
-        rows, ctx_index, ctx_ok, runs, per_run, span = layout.padded_runs(self.window)
+        rows, ctx_index, ctx_ok, runs, per_run, span, _ = layout.padded_runs(self.window)
         n, h, bq, d = q.shape
 
         def to_grid(x):  # [N, h, bq, e] -> [R, h, P * bq, e]

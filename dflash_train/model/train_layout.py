@@ -9,8 +9,21 @@ anchor, within the sliding window), in which runs the split attention computes t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+
+
+class GridRuns(NamedTuple):
+    """The split runs side by side in one padded grid of `runs` x `per_run` blocks against `span` context tokens."""
+
+    rows: torch.Tensor  # [N] long: block n's row r * per_run + j in the grid
+    ctx_index: torch.Tensor  # [runs, span] long: the packed index of run r's l-th context token (clamped)
+    ctx_ok: torch.Tensor  # [N, 1, B, span] bool: block n's slot k may attend to it
+    runs: int
+    per_run: int
+    span: int
+    run_pairs: int  # (block, context token) pairs the runs score one by one: sum of blocks x span per run
 
 
 @dataclass
@@ -78,19 +91,17 @@ class TrainLayout:
                                                   self.block_positions, window, self.ctx_pad)
         return self.cache[key]
 
-    def padded_runs(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
-        """The split runs side by side in one padded grid of R runs x P blocks against L context tokens, so
-        that attention over all of them is a few batched ops (split attention, `SPLIT_GRID_ELEMENTS`):
-        (rows [N]: block n's row r * P + j in the grid, ctx_index [R, L]: the packed index of run r's l-th
-        context token, clamped inside the sequence, ctx_ok [N, 1, B, L] bool: block n's slot k may attend to
-        it), R, P, L. Built once from the host's runs, shared by every layer."""
+    def padded_runs(self, window: int | None) -> GridRuns:
+        """The split runs side by side in one padded grid, so that attention over all of them is a few batched
+        ops (split attention's `_attend_grid`). Built once from the host's runs, shared by every layer."""
         key = ("padded", window)
         if key not in self.cache:
             runs = self.segments()
             dev = self.anchors.device
             if not runs:  # no blocks: nothing to attend (split attention then has no run either)
                 empty = torch.zeros(0, dtype=torch.long, device=dev)
-                self.cache[key] = (empty, empty[:, None], torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=dev), 0, 0, 0)
+                self.cache[key] = GridRuns(empty, empty[:, None], torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=dev),
+                                           0, 0, 0, 0)
                 return self.cache[key]
             grid_p = max(hi - lo for lo, hi, _, _ in runs)
             grid_l = max(1, max(c1 - c0 for _, _, c0, c1 in runs))
@@ -104,7 +115,8 @@ class TrainLayout:
             if window is not None:
                 dist = self.block_positions[:, :, None] - self.ctx_positions[ctx_index[run_of]][:, None, :]
                 ok = ok & (dist < window)
-            self.cache[key] = (rows, ctx_index, ok[:, None], len(runs), grid_p, grid_l)
+            self.cache[key] = GridRuns(rows, ctx_index, ok[:, None], len(runs), grid_p, grid_l,
+                                       sum((hi - lo) * (c1 - c0) for lo, hi, c0, c1 in runs))
         return self.cache[key]
 
     def to(self, device: torch.device) -> TrainLayout:

@@ -107,6 +107,7 @@ def test_split_attention_equals_dense_reference_forward_and_backward(tiny_config
     """Split attention, all runs in one padded grid (`grid`) or run by run (checkpointed), against the dense mask."""
     import dflash_train.model.modeling_dflash as modeling
 
+    monkeypatch.setattr(modeling, "SPLIT_GRID_PADDING_PER_RUN", 10**9 if grid else 0)  # the grid whatever it pads
     if not grid:
         monkeypatch.setattr(modeling, "SPLIT_GRID_ELEMENTS", 0)
     update = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6} if sliding else {}
@@ -175,21 +176,50 @@ def test_flex_attention_forward_equals_dense_with_and_without_the_anchor_slot(ti
     torch.testing.assert_close(rest, dense[:, 1:], rtol=0, atol=1e-5)
 
 
+def test_split_attention_takes_the_grid_only_while_its_padding_pays(tiny_config, monkeypatch):
+    """One document in two runs whose spans differ (10 and 50 tokens): the grid pads the first run's 2 blocks by 40
+    tokens. It is taken while that padding is within `SPLIT_GRID_PADDING_PER_RUN` for the one run it saves, and
+    run by run past it, with the same output either way."""
+    import dflash_train.model.modeling_dflash as modeling
+
+    cfg = tiny_config.model_copy(update={"num_hidden_layers": 1})
+    model = _model(cfg)
+    feats, ids, doc_start, positions = _packed(cfg, [60])
+    anchors = torch.tensor([5, 10, 40, 50])
+    layout = train_layout(anchors, doc_start[anchors], positions, cfg.block_size, chunk_blocks=2)
+    g = layout.padded_runs(None)
+    assert (g.runs, g.per_run, g.span, g.run_pairs) == (2, 2, 50, 2 * 10 + 2 * 50)
+    padding = (g.runs * g.per_run * g.span - g.run_pairs) * cfg.num_attention_heads * cfg.block_size
+    calls = []
+    grid = modeling.DFlashAttention._attend_grid
+    monkeypatch.setattr(modeling.DFlashAttention, "_attend_grid", lambda self, *a: calls.append(1) or grid(self, *a))
+    outs, taken = [], []
+    for allowance in (padding, padding - 1):
+        monkeypatch.setattr(modeling, "SPLIT_GRID_PADDING_PER_RUN", allowance)
+        calls.clear()
+        with torch.no_grad():
+            outs.append(model.forward_train(feats, model.embed(model.block_ids(ids[anchors])), layout))
+        taken.append(bool(calls))
+    assert taken == [True, False]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
+
+
 def test_split_runs_stay_inside_one_document_and_stop_at_their_last_anchor(tiny_config):
     _, _, doc_start, positions = _packed(tiny_config, [25, 40])
     anchors = torch.tensor([1, 12, 20, 26, 50, 63])
     layout = train_layout(anchors, doc_start[anchors], positions, 4, chunk_blocks=2)
     assert layout.segments() == [(0, 2, 0, 12), (2, 3, 0, 20), (3, 5, 25, 50), (5, 6, 25, 63)]
     # the same runs side by side: 4 runs of at most 2 blocks against at most 38 context tokens
-    rows, ctx_index, ctx_ok, runs, per_run, span = layout.padded_runs(None)
+    rows, ctx_index, ctx_ok, runs, per_run, span, run_pairs = layout.padded_runs(None)
     assert (runs, per_run, span) == (4, 2, 38)
+    assert run_pairs == 2 * 12 + 1 * 20 + 2 * 25 + 1 * 38  # what the runs score one by one
     assert rows.tolist() == [0, 1, 2, 4, 5, 6]
     assert ctx_index[0].tolist() == list(range(38)) and ctx_index[3].tolist() == list(range(25, 63))
     # block 4 (anchor 50, run 3 from token 25) sees tokens 25..49 of its run; block 0 (anchor 1) only token 0
     assert ctx_ok[4, 0, 0].nonzero().squeeze(1).tolist() == list(range(25))
     assert ctx_ok[0, 0, 0].nonzero().squeeze(1).tolist() == [0]
     none = train_layout(anchors[:0], doc_start[:0], positions, 4)
-    assert none.segments() == [] and none.padded_runs(None)[3:] == (0, 0, 0)
+    assert none.segments() == [] and none.padded_runs(None)[3:] == (0, 0, 0, 0)
 
 
 def test_dense_mask_is_the_training_mask(tiny_config):

@@ -210,11 +210,11 @@ class DFlashAttention(nn.Module):
         """
         blk_ok = layout.block_allowed(self.window)
         blk_ok = None if blk_ok is None else blk_ok[q_from:]
-        g = layout.padded_runs(self.window)
+        runs, per_run, span, run_pairs = layout.grid_size()  # host numbers: the grid is built only when taken
         per_pair = q.shape[1] * q.shape[2]  # scores per (block, context token): heads x queries
-        grid = g.runs * g.per_run * g.span * per_pair
-        if g.runs and grid <= SPLIT_GRID_ELEMENTS and (
-                grid - g.run_pairs * per_pair <= (g.runs - 1) * SPLIT_GRID_PADDING_PER_RUN):
+        grid = runs * per_run * max(1, span) * per_pair
+        if runs and grid <= SPLIT_GRID_ELEMENTS and (
+                grid - run_pairs * per_pair <= (runs - 1) * SPLIT_GRID_PADDING_PER_RUN):
             return self._attend_grid(q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from, blk_ok)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_blk, v_blk, ctx_k, ctx_v))
         outs = []

@@ -91,6 +91,17 @@ class TrainLayout:
                                                   self.block_positions, window, self.ctx_pad)
         return self.cache[key]
 
+    def grid_size(self) -> tuple[int, int, int, int]:
+        """(runs, blocks a run, context span, run pairs) of the padded grid `padded_runs` builds, from the host's
+        runs alone: what split attention weighs before it builds anything. run pairs: the (block, context token)
+        pairs the runs score one by one, sum of blocks x span per run."""
+        if "grid_size" not in self.cache:
+            runs = self.segments()
+            self.cache["grid_size"] = (len(runs), max((hi - lo for lo, hi, _, _ in runs), default=0),
+                                       max((c1 - c0 for _, _, c0, c1 in runs), default=0),
+                                       sum((hi - lo) * (c1 - c0) for lo, hi, c0, c1 in runs)) if runs else (0, 0, 0, 0)
+        return self.cache["grid_size"]
+
     def padded_runs(self, window: int | None) -> GridRuns:
         """The split runs side by side in one padded grid, so that attention over all of them is a few batched
         ops (split attention's `_attend_grid`). Built once from the host's runs, shared by every layer."""
@@ -98,13 +109,13 @@ class TrainLayout:
         if key not in self.cache:
             runs = self.segments()
             dev = self.anchors.device
+            n_runs, grid_p, grid_l, run_pairs = self.grid_size()
             if not runs:  # no blocks: nothing to attend (split attention then has no run either)
                 empty = torch.zeros(0, dtype=torch.long, device=dev)
                 self.cache[key] = GridRuns(empty, empty[:, None], torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=dev),
                                            0, 0, 0, 0)
                 return self.cache[key]
-            grid_p = max(hi - lo for lo, hi, _, _ in runs)
-            grid_l = max(1, max(c1 - c0 for _, _, c0, c1 in runs))
+            grid_l = max(1, grid_l)
             rows = torch.tensor([r * grid_p + j for r, (lo, hi, _, _) in enumerate(runs) for j in range(hi - lo)],
                                 device=dev)
             run_of = torch.tensor([r for r, (lo, hi, _, _) in enumerate(runs) for _ in range(lo, hi)], device=dev)
@@ -115,8 +126,7 @@ class TrainLayout:
             if window is not None:
                 dist = self.block_positions[:, :, None] - self.ctx_positions[ctx_index[run_of]][:, None, :]
                 ok = ok & (dist < window)
-            self.cache[key] = GridRuns(rows, ctx_index, ok[:, None], len(runs), grid_p, grid_l,
-                                       sum((hi - lo) * (c1 - c0) for lo, hi, c0, c1 in runs))
+            self.cache[key] = GridRuns(rows, ctx_index, ok[:, None], n_runs, grid_p, grid_l, run_pairs)
         return self.cache[key]
 
     def to(self, device: torch.device) -> TrainLayout:

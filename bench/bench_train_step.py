@@ -162,9 +162,13 @@ SPLIT_GRID = {"split-runs": 0, "split-grid": None}
 DEMO_DOCS = replace(SMOLLM2, vocab=4096, block=4, anchors=256, documents=8)
 # --optimizer: the recipe's step with its optimizer step after the backward: AdamW (the recipe), or Muon for the
 # layers' matrices and fc at 5 and 3 Newton-Schulz iterations a step (`optim.algorithm: muon`,
-# `optim.muon_ns_steps`), and 5 every 8th step (`optim.muon_every`: time a multiple of 8 steps, e.g. --steps 16)
-OPTIMIZERS = {"optimizer-adamw": None, "optimizer-muon-ns5": (5, 1), "optimizer-muon-ns3": (3, 1),
-              "optimizer-muon-every8": (5, 8)}
+# `optim.muon_ns_steps`), 5 every 8th step (`optim.muon_every`: time a multiple of 8 steps, e.g. --steps 16), and
+# Muon for one group of matrices only (`optim.muon_on`: the layer's attention, its MLP, fc)
+ALL_MATRICES = ("attention", "mlp", "fc")
+OPTIMIZERS = {"optimizer-adamw": None, "optimizer-muon-ns5": (5, 1, ALL_MATRICES),
+              "optimizer-muon-ns3": (3, 1, ALL_MATRICES), "optimizer-muon-every8": (5, 8, ALL_MATRICES),
+              "optimizer-muon-attention": (5, 1, ("attention",)), "optimizer-muon-mlp": (5, 1, ("mlp",)),
+              "optimizer-muon-fc": (5, 1, ("fc",))}
 
 
 def _compute_the_anchor_slot() -> None:
@@ -215,9 +219,9 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         from dflash_train.train.optimizer import build_optimizer
 
         params = [p for p in model.parameters() if p.requires_grad]
-        ns, every = OPTIMIZERS[name] or (5, 1)
+        ns, every, on = OPTIMIZERS[name] or (5, 1, ())
         opt = build_optimizer(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, own_step=True,
-                              fp32_masters=False, muon=muon_matrices(model) if OPTIMIZERS[name] else None,
+                              fp32_masters=False, muon=muon_matrices(model, on) if on else None,
                               muon_ns_steps=ns, muon_every=every)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -46,7 +46,7 @@ def serve(
     from .command import ServeOptions, sglang_command, vllm_command
     from .detect import detect_drafter
     from .gpu import CPU, NON_CAUSAL_BACKENDS, describe, probe_device
-    from .launch import check_engine_installed, engine_python, run_engine, vllm_build
+    from .launch import check_engine_installed, engine_python, missing_python_note, run_engine, vllm_build
 
     if engine not in ("vllm", "sglang"):
         raise ConfigError(f"--engine {engine!r}: expected vllm or sglang")
@@ -76,6 +76,9 @@ def serve(
         where = "SGLang (z-lab format)"
     print(f"dflash-serve: {drafter.found}; block size {drafter.block_size}; {where}", file=sys.stderr)
     if dry_run:
+        note = missing_python_note(engine, opts.python)
+        if note:
+            print(note, file=sys.stderr)
         print(shlex.join(argv))
         return
     check_engine_installed(engine, opts.python)

@@ -38,10 +38,25 @@ def engine_python(engine: str, explicit: str | None = None, environ: dict[str, s
     return explicit or environ.get(PYTHON_ENV[engine]) or sys.executable
 
 
+def executable(python: str) -> str | None:
+    """`python` as a path that can run: found on PATH when it is a bare name, else None."""
+    if os.sep not in python:
+        return shutil.which(python)
+    return python if os.path.isfile(python) and os.access(python, os.X_OK) else None
+
+
+def missing_python_note(engine: str, python: str) -> str | None:
+    """For --dry-run, which prints the command without starting it: a note when its interpreter cannot run."""
+    if executable(python) is not None:
+        return None
+    return (f"dflash-serve: note: {python} (--python / ${PYTHON_ENV[engine]}) is not an executable Python, so the "
+            f"command below will not start as printed; install the engine: {INSTALL_HINT[engine]}")
+
+
 def check_engine_installed(engine: str, python: str) -> None:
     """Refuse early, naming the fix, when `python` is missing or cannot import the engine."""
     source = f"--python / ${PYTHON_ENV[engine]}"
-    exe = shutil.which(python) if os.sep not in python else (python if os.access(python, os.X_OK) else None)
+    exe = executable(python)
     if exe is None:
         raise MissingDependencyError(f"{source}: {python} is not an executable Python; "
                                      f"install the engine: {INSTALL_HINT[engine]}")

@@ -89,8 +89,10 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
     if engine == "auto":
         try:
             vllm_python, engine = _vllm_python(), "vllm"
-        except MissingDependencyError:
+        except MissingDependencyError as exc:
             engine = "hf"
+            if os.environ.get("DFLASH_VLLM_PYTHON"):  # named, yet unusable: say why this run is 3-4x slower
+                _log(f"regenerate: --engine auto falls back to transformers' generate (3-4x slower): {exc}")
     elif engine == "vllm":
         vllm_python = _vllm_python()
 

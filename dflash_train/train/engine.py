@@ -17,6 +17,7 @@ import atexit
 import math
 import os
 import socket
+from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -152,12 +153,26 @@ def deepspeed_config(recipe: TrainRecipe) -> dict:
     return cfg
 
 
-def muon_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The weights `optim.algorithm: muon` steps with Muon: the trainable matrices of the draft layers
-    (attention and MLP projections) and of `fc`, the feature projection; not the LM head (Muon's authors keep
-    embeddings and heads on AdamW) nor the norms."""
-    return [p for name, p in model.named_parameters()
-            if p.requires_grad and p.ndim == 2 and (name.startswith("layers.") or name.startswith("fc."))]
+# the groups of matrices `optim.muon_on` can give Muon, by their names in the checkpoint
+MUON_GROUPS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj"),
+               "fc": ()}
+
+
+def muon_matrices(model: torch.nn.Module, on: Iterable[str] = tuple(MUON_GROUPS)) -> list[torch.nn.Parameter]:
+    """The weights `optim.algorithm: muon` steps with Muon: of the trainable matrices of the draft layers
+    (`attention`: q/k/v/o, `mlp`: gate/up/down) and `fc` (the feature projection), the groups in `on`; never the
+    LM head (Muon's authors keep embeddings and heads on AdamW) nor the norms."""
+    on = set(on)
+    unknown = on - set(MUON_GROUPS)
+    if unknown:
+        raise ValueError(f"optim.muon_on: unknown group(s) {sorted(unknown)}; choose from {list(MUON_GROUPS)}")
+
+    def takes(name: str) -> bool:
+        if name.startswith("fc."):
+            return "fc" in on
+        return name.startswith("layers.") and any(f".{proj}." in name for group in on for proj in MUON_GROUPS[group])
+
+    return [p for name, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and takes(name)]
 
 
 def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
@@ -170,7 +185,7 @@ def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
     o = recipe.optim
     optimizer = None
     own, bf16 = own_step(recipe), use_bf16(recipe)
-    muon = muon_matrices(model) if o.algorithm == "muon" else None  # the recipe refuses it without own_step
+    muon = muon_matrices(model, o.muon_on) if o.algorithm == "muon" else None  # the recipe refuses it without own_step
     if recipe.engine.optimizer == "torch":  # masters are taken from the fp32 weights, before any cast
         optimizer = build_optimizer(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
                                     grad_clip=o.grad_clip, own_step=own, fp32_masters=own and bf16,

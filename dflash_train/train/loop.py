@@ -53,7 +53,7 @@ from dflash_train.train.feature_source import recipe_source
 from dflash_train.train.finite import FiniteGuard
 from dflash_train.train.init_from import resolve_init_from
 from dflash_train.train.loss import BlockStats
-from dflash_train.train.metrics import Laps, Progress, RunLog, plot_curves, write_summary
+from dflash_train.train.metrics import GradNormWindow, Laps, Progress, RunLog, plot_curves, write_summary
 from dflash_train.train.prefetch import StepPrefetch, worth_prefetching
 from dflash_train.train.profiling import StepProfile, profile_lines
 from dflash_train.train.recipe import ResolvedRecipe, TrainRecipe
@@ -308,6 +308,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
 
     # the loop -------------------------------------------------------------------------------
     window = BlockStats.zeros(recipe.drafter.block_size, world.device)
+    norms = GradNormWindow(engine.optimizer, recipe.optim.grad_clip, world.device)
     guard, lg = FiniteGuard(world.device, recipe.optim.lr, recipe.optim.grad_clip), recipe.logging
     t_loop = time.time()
     # on a GPU step s + 1's micro-batches are built on the host while the device runs step s (train/prefetch.py)
@@ -330,6 +331,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             pending["tokens"] += tokens
             pending["positions"] += stats.valid.sum()
             window.add(stats)
+            norms.add()
             done = step + 1
             progress.step()
             if done % recipe.logging.log_every == 0 or done == plan.total:
@@ -337,7 +339,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
                 summary, lr = window.summary(), scheduler.get_last_lr()[0]
                 progress.show(summary, lr, state["positions"], fit=log.last("fit"), val=log.last("val"))
                 log.record(done, "train", summary, {"lr": lr, "tokens": state["tokens"],
-                                                    "time_s": round(time.time() - t_loop, 3)})
+                                                    "time_s": round(time.time() - t_loop, 3), **norms.read()})
                 window = BlockStats.zeros(recipe.drafter.block_size, world.device)
             if done % recipe.logging.eval_every == 0 or done == plan.total:
                 with oom_guard(recipe, world.device), lap.aside("checks"):

@@ -10,6 +10,42 @@ from dflash_train.model.weights import write_json
 from dflash_train.outputs import png_software
 
 
+class GradNormWindow:
+    """The global gradient norm over a logging window, from the optimizer's own clip (DeviceAdamW and DeviceMuon
+    compute it on the device each step): its mean, its largest value and the share of steps the clip scaled down,
+    summed on the device and read when the window is logged (`train/grad_norm`, `train/grad_norm_max`,
+    `train/clipped`). Empty where the optimizer computes no norm (no clip, DeepSpeed's own optimizers)."""
+
+    def __init__(self, optimizer, clip: float, device):
+        import torch
+
+        self.optimizer = optimizer if getattr(optimizer, "computes_grad_norm", False) else None
+        self.clip = float(clip)
+        self._sums = torch.zeros(3, device=device)  # norm sum, clipped steps, max
+        self._steps = 0
+
+    def add(self) -> None:
+        import torch
+
+        norm = self.optimizer.grad_norm if self.optimizer is not None else None
+        if norm is None:
+            return
+        norm = norm.detach().float().reshape(())
+        self._sums += torch.stack([norm, (norm > self.clip).float(), torch.zeros_like(norm)])
+        self._sums[2] = torch.maximum(self._sums[2], norm)
+        self._steps += 1
+
+    def read(self) -> dict:
+        """{} or {grad_norm, grad_norm_max, clipped} over the steps since the last read; starts a new window."""
+        if not self._steps:
+            return {}
+        total, clipped, top = self._sums.tolist()
+        out = {"grad_norm": total / self._steps, "grad_norm_max": top, "clipped": clipped / self._steps}
+        self._sums.zero_()
+        self._steps = 0
+        return out
+
+
 class RunLog:
     """Metric history (kept in checkpoints so a resumed run continues its curves) and TB logging."""
 

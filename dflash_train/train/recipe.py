@@ -227,6 +227,11 @@ class OptimConfig(_Section):
     # orthogonalise every this many steps and apply that update until the next (the momentum takes every step's
     # gradient): the iteration's cost over `muon_every` steps
     muon_every: int = Field(1, ge=1)
+    # which matrices Muon steps (the rest keep AdamW): the draft layers' attention (q/k/v/o) and MLP
+    # (gate/up/down) projections, and fc. On 2 CPU cores a group's iteration costs about its matrices' size: fc and
+    # the MLP most, attention least (`bench/bench_train_step.py --optimizer`)
+    muon_on: list[Literal["attention", "mlp", "fc"]] = Field(default_factory=lambda: ["attention", "mlp", "fc"],
+                                                           min_length=1)
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
 

@@ -133,6 +133,20 @@ def test_sglang_refuses_a_reduced_vocabulary(tmp_path):
     assert proc.stdout == "" and tree(tmp_path) == before
 
 
+def test_serve_dry_run_says_when_its_engine_python_cannot_run(tmp_path):
+    drafter = write_drafter(tmp_path / "d", smollm2_cfg())
+    proc = run("dflash-serve", drafter, "--dry-run")  # DFLASH_VLLM_PYTHON: a path that does not exist
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(FAKE_ENGINE_PY)  # the command is still printed, as asked
+    assert (f"note: {FAKE_ENGINE_PY} (--python / $DFLASH_VLLM_PYTHON) is not an executable Python, so the command "
+            "below will not start as printed" in proc.stderr), proc.stderr
+    assert "make vllm-venv" in proc.stderr
+    # a folder is no interpreter either; a real one gets no note
+    assert "is not an executable Python" in run("dflash-serve", drafter, "--dry-run", "--python", tmp_path).stderr
+    real = run("dflash-serve", drafter, "--dry-run", DFLASH_VLLM_PYTHON=sys.executable)
+    assert real.returncode == 0 and "note:" not in real.stderr and real.stdout.startswith(sys.executable)
+
+
 # ---- prepare and push-to-hub ------------------------------------------------------------------
 
 def test_prepare_warns_when_max_length_passes_the_target_context(tmp_path, smollm2_path):

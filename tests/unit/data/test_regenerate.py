@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -155,7 +156,7 @@ def test_resume_with_other_settings_is_refused(tmp_path, prepared):
         regen.regenerate_dataset(None, prepared, tmp_path / "out", max_new_tokens=NEW)
 
 
-def test_vllm_engine_without_vllm(tmp_path, prepared, monkeypatch):
+def test_vllm_engine_without_vllm(tmp_path, prepared, monkeypatch, capsys):
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
@@ -168,8 +169,11 @@ def test_vllm_engine_without_vllm(tmp_path, prepared, monkeypatch):
     monkeypatch.setenv("DFLASH_VLLM_PYTHON", sys.executable)
     with pytest.raises(MissingDependencyError, match=r"DFLASH_VLLM_PYTHON \(.*\) has no vllm module.*--engine hf"):
         regen.regenerate_dataset(None, prepared, tmp_path / "out", engine="vllm")
+    capsys.readouterr()
     summary = regen.regenerate_dataset(None, prepared, tmp_path / "auto", max_new_tokens=NEW, engine="auto")
-    assert summary["regeneration"]["turns"] == 4  # auto fell back to HF generate
+    assert summary["regeneration"]["turns"] == 4  # auto fell back to HF generate, and says why: vLLM was named
+    assert re.search(r"--engine auto falls back to transformers' generate \(3-4x slower\): .*DFLASH_VLLM_PYTHON "
+                     r"\(.*\) has no vllm module", capsys.readouterr().err)
     with pytest.raises(Exception, match="--engine"):
         regen.regenerate_dataset(None, prepared, tmp_path / "out", engine="tgi")
 

@@ -68,6 +68,10 @@ def test_run_folder_layout(reference_run):
     held = json.loads((out / "holdout_rows.json").read_text())["rows"]
     assert len(held) == summary["holdout_rows"] == 5
     assert (out / "curves.png").stat().st_size > 1000 and any((out / "tensorboard").iterdir())
+    # the gradient norm the clip read, over each logging window
+    state = json.loads((step / "trainer_state" / "state.json").read_text())
+    logged = [e for e in state["history"] if e["split"] == "train"]
+    assert logged and all(0 < e["grad_norm"] <= e["grad_norm_max"] and 0 <= e["clipped"] <= 1 for e in logged)
     assert "block_size: 4  # recipe" in (out / "resolved_config.yaml").read_text()
     # the final drafter equals the last checkpoint's drafter
     a, b = _weights(out / "final"), _weights(step)

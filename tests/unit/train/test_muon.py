@@ -167,6 +167,41 @@ def test_muon_takes_the_layers_and_fc_and_leaves_the_head_and_norms_to_adamw():
     assert len(names) == 1 + 2 * 7  # fc, and q/k/v/o, gate/up/down in each layer
 
 
+@pytest.mark.parametrize("on, expected", [
+    (["attention"], {f"layers.{i}.self_attn.{p}_proj.weight" for i in (0, 1) for p in "qkvo"}),
+    (["mlp"], {f"layers.{i}.mlp.{p}_proj.weight" for i in (0, 1) for p in ("gate", "up", "down")}),
+    (["fc"], {"fc.weight"}),
+    (["fc", "attention"], {"fc.weight"} | {f"layers.{i}.self_attn.{p}_proj.weight" for i in (0, 1) for p in "qkvo"}),
+])
+def test_optim_muon_on_gives_muon_only_the_groups_it_names(on, expected):
+    from dflash_train.model.config import DFlashConfig
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.train.engine import muon_matrices
+
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=100, draft_vocab_size=50, target_hidden_size=32,
+                       num_target_layers=4, aux_hidden_state_layer_ids=[1, 3], block_size=4, mask_token_id=3,
+                       dtype="float32")
+    model = DFlashDraftModel(cfg)
+    chosen = {id(p) for p in muon_matrices(model, on)}
+    assert {n for n, p in model.named_parameters() if id(p) in chosen} == expected
+    with pytest.raises(ValueError, match=r"optim.muon_on: unknown group\(s\) \['head'\]"):
+        muon_matrices(model, ["head"])
+
+
+def test_a_recipe_names_muons_groups_by_name():
+    from dflash_train.errors import ConfigError
+    from dflash_train.train.recipe import load_recipe
+
+    recipe = load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.algorithm=muon", "optim.muon_on=[attention,fc]"])
+    assert recipe.recipe.optim.muon_on == ["attention", "fc"]
+    assert load_recipe("recipes/smollm2-135m-demo.yaml", []).recipe.optim.muon_on == ["attention", "mlp", "fc"]
+    with pytest.raises(ConfigError, match=r"optim.muon_on.0: Input should be 'attention', 'mlp' or 'fc'"):
+        load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.muon_on=[head]"])
+    with pytest.raises(ConfigError, match=r"optim.muon_on: List should have at least 1 item"):
+        load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.muon_on=[]"])
+
+
 def test_muon_refuses_settings_it_cannot_run_under():
     ps = _layered()
     with pytest.raises(ValueError, match="engine.zero_stage: 0"):

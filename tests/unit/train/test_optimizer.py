@@ -317,3 +317,33 @@ def test_the_engine_decays_the_drafters_matrices_and_not_its_norms(optimizer):
         assert norms and matrices and set(norms).isdisjoint(matrices)
         assert all(names[n] == 0.1 for n in matrices)
         assert all(names[n] == (0.1 if decay_on == "all" else 0.0) for n in norms), names
+
+
+def test_the_logged_gradient_norm_is_the_clips_own_over_the_window():
+    from dflash_train.train.metrics import GradNormWindow
+
+    params = _params(n=3)
+    opt = DeviceAdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=1.0, fp32_masters=False)
+    window = GradNormWindow(opt, 1.0, torch.device("cpu"))
+    norms = []
+    for seed, scale in ((0, 3.0), (1, 0.001), (2, 0.05)):
+        grads = _grads(params, seed, scale)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        norms.append(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))))
+        opt.step()
+        window.add()
+    assert norms[0] > 1.0 > norms[2] > norms[1]  # one step clipped, two not
+    got = window.read()
+    assert got["grad_norm"] == pytest.approx(sum(norms) / 3, rel=1e-5)
+    assert got["grad_norm_max"] == pytest.approx(norms[0], rel=1e-5)
+    assert got["clipped"] == pytest.approx(1 / 3)
+    assert window.read() == {}  # a new window: nothing since
+    # no clip, no norm computed: nothing is logged rather than a made-up number
+    plain = DeviceAdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=0.0, fp32_masters=False)
+    none = GradNormWindow(plain, 0.0, torch.device("cpu"))
+    for p, g in zip(params, _grads(params, 3), strict=True):
+        p.grad = g
+    plain.step()
+    none.add()
+    assert none.read() == {}

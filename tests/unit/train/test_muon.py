@@ -195,7 +195,8 @@ def test_a_recipe_names_muons_groups_by_name():
 
     recipe = load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.algorithm=muon", "optim.muon_on=[attention,fc]"])
     assert recipe.recipe.optim.muon_on == ["attention", "fc"]
-    assert load_recipe("recipes/smollm2-135m-demo.yaml", []).recipe.optim.muon_on == ["attention", "mlp", "fc"]
+    assert load_recipe("recipes/smollm2-135m-demo.yaml", []).recipe.optim.muon_on == ["attention"]  # round 23
+    assert load_recipe(None, [], base={"data": {"prepared": "rows"}}).recipe.optim.muon_on == ["attention", "mlp", "fc"]
     with pytest.raises(ConfigError, match=r"optim.muon_on.0: Input should be 'attention', 'mlp' or 'fc'"):
         load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.muon_on=[head]"])
     with pytest.raises(ConfigError, match=r"optim.muon_on: List should have at least 1 item"):

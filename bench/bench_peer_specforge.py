@@ -6,8 +6,9 @@ everything but the trainer fixed: it reads a finished run folder of ours (its re
 prepared rows and held-out split, its offline feature cache, its step plan: the same documents in the
 same micro-batches at every step) and trains SpecForge's `OnlineDFlashModel` (its draft model, its
 anchor sampler, its loss over the target's frozen full-vocabulary head and embedding) on them, with the
-recipe's AdamW, warm-up, cosine schedule and gradient clip, in fp32 on the CPU. What differs is what a user changes by
-changing trainer: the objective (CE on the dataset's tokens with SpecForge's `loss_type`, against the
+recipe's AdamW, warm-up, cosine schedule and gradient clip, in fp32 on the CPU (AdamW for every weight also where the
+recipe gives some matrices Muon, `optim.algorithm: muon`: SpecForge's trainer steps with AdamW). What differs is what a
+user changes by changing trainer: the optimizer, the objective (CE on the dataset's tokens with SpecForge's `loss_type`, against the
 recipe's KL teacher with prefix weighting), the head (the target's, frozen, against a trained 4K head),
 the anchor sampler and the initialisation.
 

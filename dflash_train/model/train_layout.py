@@ -99,7 +99,7 @@ class TrainLayout:
             runs = self.segments()
             self.cache["grid_size"] = (len(runs), max((hi - lo for lo, hi, _, _ in runs), default=0),
                                        max((c1 - c0 for _, _, c0, c1 in runs), default=0),
-                                       sum((hi - lo) * (c1 - c0) for lo, hi, c0, c1 in runs)) if runs else (0, 0, 0, 0)
+                                       sum((hi - lo) * (c1 - c0) for lo, hi, c0, c1 in runs))
         return self.cache["grid_size"]
 
     def padded_runs(self, window: int | None) -> GridRuns:

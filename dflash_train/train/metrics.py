@@ -21,7 +21,7 @@ class GradNormWindow:
 
         self.optimizer = optimizer if getattr(optimizer, "computes_grad_norm", False) else None
         self.clip = float(clip)
-        self._sums = torch.zeros(3, device=device)  # norm sum, clipped steps, max
+        self._total, self._clipped, self._top = (torch.zeros((), device=device) for _ in range(3))
         self._steps = 0
 
     def add(self) -> None:
@@ -31,17 +31,19 @@ class GradNormWindow:
         if norm is None:
             return
         norm = norm.detach().float().reshape(())
-        self._sums += torch.stack([norm, (norm > self.clip).float(), torch.zeros_like(norm)])
-        self._sums[2] = torch.maximum(self._sums[2], norm)
+        self._total += norm
+        self._clipped += norm > self.clip
+        torch.maximum(self._top, norm, out=self._top)
         self._steps += 1
 
     def read(self) -> dict:
         """{} or {grad_norm, grad_norm_max, clipped} over the steps since the last read; starts a new window."""
         if not self._steps:
             return {}
-        total, clipped, top = self._sums.tolist()
-        out = {"grad_norm": total / self._steps, "grad_norm_max": top, "clipped": clipped / self._steps}
-        self._sums.zero_()
+        out = {"grad_norm": float(self._total) / self._steps, "grad_norm_max": float(self._top),
+               "clipped": float(self._clipped) / self._steps}
+        for t in (self._total, self._clipped, self._top):
+            t.zero_()
         self._steps = 0
         return out
 

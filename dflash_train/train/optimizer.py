@@ -184,12 +184,13 @@ class DeviceMuon(DeviceAdamW):
     LM head, the norms' gains and anything else keep AdamW, as Muon's authors use it. Each Muon step: the
     (clipped) gradient into a momentum buffer, its Nesterov blend orthogonalised (`orthogonalize`), scaled by
     0.2 sqrt(max(rows, cols)) so its RMS matches an AdamW update's (the same lr serves both rules, as
-    torch.optim.Muon's `match_rms_adamw`), with decoupled weight decay. The learning-rate schedule scales both
-    rules: they share the optimizer's param groups."""
+    torch.optim.Muon's `match_rms_adamw`; `lr_scale` multiplies it), with decoupled weight decay. The
+    learning-rate schedule scales both rules: they share the optimizer's param groups."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], matrices: Iterable[torch.nn.Parameter], *, lr: float,
                  betas: tuple[float, float], weight_decay: float, grad_clip: float, fp32_masters: bool,
-                 decay_on: str = "matrices", momentum: float = 0.95, ns_steps: int = 5, every: int = 1):
+                 decay_on: str = "matrices", momentum: float = 0.95, ns_steps: int = 5, every: int = 1,
+                 lr_scale: float = 1.0):
         params = list(params)
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                          fp32_masters=fp32_masters, decay_on=decay_on)
@@ -204,6 +205,9 @@ class DeviceMuon(DeviceAdamW):
         if every < 1:
             raise ValueError(f"optim.muon_every is {every}; use 1 (orthogonalise every step) or more")
         self.every = int(every)
+        if lr_scale <= 0:
+            raise ValueError(f"optim.muon_lr_scale is {lr_scale}; use a positive factor (1: Muon's update has AdamW's RMS)")
+        self.lr_scale = float(lr_scale)
         self.ns_dtype = muon_dtype(self.muon_masters[0].device)
         self.muon_weight_decay = float(weight_decay)
         # the momentum buffers live beside AdamW's state, not in it (AdamW's loader expects its own keys there)
@@ -239,7 +243,7 @@ class DeviceMuon(DeviceAdamW):
         if self.muon_weight_decay:
             torch._foreach_mul_(masters, 1 - lr * self.muon_weight_decay)
         for (_, m), d in zip(live, directions, strict=True):
-            m.add_(d, alpha=-lr * 0.2 * max(m.shape) ** 0.5)
+            m.add_(d, alpha=-lr * self.lr_scale * 0.2 * max(m.shape) ** 0.5)
         for _, m in live:
             m.grad = None  # AdamW skips it
 
@@ -295,7 +299,8 @@ MUON_NEEDS_OWN_STEP = ("optim.algorithm: muon runs as the toolkit's own optimize
 def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
                     weight_decay: float, grad_clip: float, own_step: bool, fp32_masters: bool,
                     decay_on: str = "matrices", muon: list[torch.nn.Parameter] | None = None,
-                    muon_momentum: float = 0.95, muon_ns_steps: int = 5, muon_every: int = 1):
+                    muon_momentum: float = 0.95, muon_ns_steps: int = 5, muon_every: int = 1,
+                    muon_lr_scale: float = 1.0):
     """`own_step` (no ZeRO): a DeviceAdamW that clips on the device, or a DeviceMuon when `muon` names the
     matrices Muon steps. Otherwise torch's AdamW for DeepSpeed's ZeRO optimizers to wrap (fused on CUDA; they
     clip themselves)."""
@@ -304,7 +309,7 @@ def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple
     if muon is not None:
         return DeviceMuon(params, muon, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                           fp32_masters=fp32_masters, decay_on=decay_on, momentum=muon_momentum,
-                          ns_steps=muon_ns_steps, every=muon_every)
+                          ns_steps=muon_ns_steps, every=muon_every, lr_scale=muon_lr_scale)
     if own_step:
         return DeviceAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                            fp32_masters=fp32_masters, decay_on=decay_on)

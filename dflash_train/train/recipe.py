@@ -227,6 +227,9 @@ class OptimConfig(_Section):
     # orthogonalise every this many steps and apply that update until the next (the momentum takes every step's
     # gradient): the iteration's cost over `muon_every` steps
     muon_every: int = Field(1, ge=1)
+    # Muon's step against AdamW's at the same `lr`: its update's RMS is AdamW's times this (1: torch.optim.Muon's
+    # `match_rms_adamw`). The schedule scales both rules alike
+    muon_lr_scale: float = Field(1.0, gt=0)
     # which matrices Muon steps (the rest keep AdamW): the draft layers' attention (q/k/v/o) and MLP
     # (gate/up/down) projections, and fc. On 2 CPU cores a group's iteration costs about its matrices' size: fc and
     # the MLP most, attention least (`bench/bench_train_step.py --optimizer`)

@@ -316,3 +316,31 @@ def test_muon_steps_on_a_gpu_as_on_the_cpu():
     start = _layered()
     for a, b, s in zip(runs["cpu"][:3], runs["cuda"][:3], start[:3], strict=True):
         assert float((a - b).norm()) < 0.05 * float((a - s.detach()).norm())
+
+
+@torch.no_grad()
+def test_muon_lr_scale_multiplies_the_muon_step_alone():
+    """optim.muon_lr_scale 2.5: each Muon matrix moves 2.5x as far as at 1 over the same gradients (no weight
+    decay: the step is then linear in the scale), AdamW's weights exactly as at 1; 0 or less is refused."""
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=0.0, fp32_masters=False)
+    moved = {}
+    for scale in (1.0, 2.5):
+        ps = _layered()
+        opt = DeviceMuon(ps, ps[:3], lr_scale=scale, **kw)
+        opt.ns_dtype = torch.float32
+        _set_grads(ps, 0)
+        opt.step()
+        moved[scale] = [p - start for p, start in zip(ps, _layered(), strict=True)]
+    for a, b in zip(moved[1.0][:3], moved[2.5][:3], strict=True):
+        assert float(a.norm()) > 1e-3
+        torch.testing.assert_close(b, 2.5 * a, rtol=1e-4, atol=1e-7)
+    for a, b in zip(moved[1.0][3:], moved[2.5][3:], strict=True):
+        assert torch.equal(a, b)
+    ps = _layered()
+    with pytest.raises(ValueError, match="optim.muon_lr_scale is 0"):
+        DeviceMuon(ps, ps[:3], lr_scale=0.0, **kw)
+    from dflash_train.train.recipe import load_recipe
+
+    with pytest.raises(ConfigError, match="muon_lr_scale"):
+        load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.muon_lr_scale=-1"])
+    assert load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.muon_lr_scale=1.5"]).recipe.optim.muon_lr_scale == 1.5

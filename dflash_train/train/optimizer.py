@@ -169,12 +169,15 @@ def muon_dtype(device: torch.device) -> torch.dtype:
     """The Newton-Schulz iteration's dtype: bf16 where the hardware multiplies it natively (a GPU, a CPU with
     bf16 instructions: ~0.11 s a step for the demo drafter's eight matrices on 2 Zen 4 cores, by
     `bench/bench_train_step.py --optimizer`), fp32 elsewhere (an
-    emulated bf16 iteration was ~8x the whole CPU step on Ice Lake: docs/results/2026-11-29-drafter-quality-round-14.md)."""
+    emulated bf16 iteration was ~8x the whole CPU step on Ice Lake: docs/results/2026-11-29-drafter-quality-round-14.md).
+    The CPU's pick is `auto`'s (`machine.auto_dtype`): a `ONEDNN_MAX_CPU_ISA` cap below the bf16 instructions
+    emulates bf16 too (the demo's step 1.58 s against 0.21 with AdamW under an AVX2 cap, round 25), and
+    `DFLASH_AUTO_DTYPE` pins it."""
     if device.type == "cuda":
         return torch.bfloat16
-    from dflash_train.machine import cpu_bf16_instructions
+    from dflash_train.machine import auto_dtype
 
-    return torch.bfloat16 if device.type == "cpu" and cpu_bf16_instructions() else torch.float32
+    return torch.bfloat16 if device.type == "cpu" and auto_dtype(device)[0] == "bfloat16" else torch.float32
 
 
 class DeviceMuon(DeviceAdamW):

@@ -13,11 +13,14 @@ shape (B=8, 4K draft vocab, 96 anchors over the 1,024 tokens): fp32; bf16 (DeepS
 weights themselves in bf16); bf16-mixed (fp32 weights, the forward under torch.autocast). It prints
 each one's step time against fp32 and its loss and gradient error against fp32.
 
-`--prefix` compares the demo's bf16-mixed step with `objective.prefix_weighting` off and on (the labels'
-probabilities taken in the head's one pass), as the ratio of their step times.
+`--prefix` compares the demo's step with `objective.prefix_weighting` off and on (the labels'
+probabilities taken in the head's one pass), as the ratio of their step times. This and the modes below run
+the recipe's `engine.precision: auto` as the trainer resolves it on this CPU (`machine.auto_dtype`): bf16-mixed
+on CPUs with bf16 instructions, fp32 where there are none or `ONEDNN_MAX_CPU_ISA` caps oneDNN below them (the
+header names which, and why).
 
 `--layers` compares drafters of other depths and MLP widths at the demo recipe's shape (B=4, 32 anchors per
-document, 4K draft vocabulary, bf16-mixed, prefix weighting): one layer of MLP 1,536 (the recipe), two
+document, 4K draft vocabulary, prefix weighting): one layer of MLP 1,536 (the recipe), two
 of 512 and two of 1,536 (round 17). The variants take turns over `--rounds` rounds, each round a fresh
 subprocess per variant, and each ratio is the median of its rounds' ratios: a shared machine's drift falls on
 every variant alike.
@@ -185,8 +188,20 @@ def _compute_the_anchor_slot() -> None:
     DFlashDraftModel.forward_train = computed
 
 
+def recipe_precision() -> tuple[str, str]:
+    """(engine.precision, why) the demo recipe's `auto` resolves to on this CPU: bf16-mixed where `auto` picks
+    bfloat16, fp32 where it does not (no bf16 instructions, an `ONEDNN_MAX_CPU_ISA` cap below them, a
+    `DFLASH_AUTO_DTYPE=float32` pin). The recipe-step modes time what the trainer would run here."""
+    from dflash_train.machine import auto_dtype
+    from dflash_train.train.auto_dtypes import AUTO_PRECISION
+
+    dtype, why = auto_dtype("cpu")
+    return AUTO_PRECISION[dtype], why
+
+
 def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
-    """name: naive | ours (fp32, SMOLLM2 at `vocab`) | one of PRECISIONS (ours at the DEMO shape)."""
+    """name: naive | ours (fp32, SMOLLM2 at `vocab`) | one of PRECISIONS (ours at the DEMO shape) | prefix-off,
+    prefix-weighting and the recipe-step modes' variants (the recipe's `auto` precision)."""
     import torch
 
     from dflash_train.train.batches import microbatch_loss
@@ -194,7 +209,8 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if ANCHOR_SLOT.get(name):
         _compute_the_anchor_slot()
-    # bf16-mixed with prefix weighting at the B=4 demo's shape, this depth and width (--anchor-slot: the recipe's)
+    # the recipe's precision with prefix weighting at the B=4 demo's shape, this depth and width (--anchor-slot: the
+    # recipe's)
     if name in SPLIT_GRID and SPLIT_GRID[name] is not None:
         import dflash_train.model.modeling_dflash as modeling
 
@@ -203,12 +219,15 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
                                                                       **SPLIT_GRID} else None)
     kernels = KERNELS.get(name, "eager")
     prefix = name == "prefix-weighting" or depth is not None  # objective.prefix_weighting on
+    # the recipe-step modes (--prefix, --layers, ...) run the recipe's `auto` precision; --precisions names its own
+    recipe_step = prefix or name == "prefix-off"
+    mixed = name == "bf16-mixed" if name in PRECISIONS else recipe_step and recipe_precision()[0] == "bf16-mixed"
     if depth is not None:
         shape = DEMO_DOCS if name in SPLIT_GRID else DEMO_B4
         model, mb = build_step(replace(shape, layers=depth[0], intermediate=depth[1]))
         model.use_fused_ops(kernels == "compiled")
     else:
-        model, mb = build_step(DEMO) if name in PRECISIONS or prefix else _setup(vocab)
+        model, mb = build_step(DEMO) if name in PRECISIONS or recipe_step else _setup(vocab)
     if name == "bf16":  # DeepSpeed's bf16 engine holds the drafter (and the frozen head) in bf16
         model.to(torch.bfloat16)
         model.attach_target_weights(model._target_embed.bfloat16(), model._target_lm_head.bfloat16())
@@ -232,7 +251,7 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         if name == "naive":
             loss = _naive_loss(model, mb)
         else:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16-mixed" or prefix):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
                 loss, _ = microbatch_loss(model, mb, attention="split", chunk=chunk, prefix_weighting=prefix,
                                           head=kernels)
         (loss / mb.weight_sum).backward()
@@ -247,7 +266,8 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     step_s = sum(times) / len(times)
     out = {"variant": name, "step_s": step_s, "positions_per_s": positions / step_s, "loss": losses[0],
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "fc_grad": grad.tolist()[:4096],
-           "optimizer": type(opt).__name__ if stepping else None, "last_loss": losses[-1]}
+           "optimizer": type(opt).__name__ if stepping else None, "last_loss": losses[-1],
+           "autocast": "bf16" if mixed else None}
     if name == "ours":
         out["head_s"] = _head_alone(model, mb, chunk, steps)
     return out
@@ -261,7 +281,7 @@ def main() -> None:
     ap.add_argument("--precisions", action="store_true",
                     help="compare engine.precision fp32 / bf16 / bf16-mixed at the demo's shape instead")
     ap.add_argument("--prefix", action="store_true",
-                    help="compare the demo's bf16-mixed step without and with objective.prefix_weighting instead")
+                    help="compare the demo's step without and with objective.prefix_weighting instead")
     ap.add_argument("--layers", action="store_true",
                     help="compare drafter depths and MLP widths at the B=4 demo's shape instead")
     ap.add_argument("--anchor-slot", action="store_true",
@@ -287,14 +307,15 @@ def main() -> None:
         _compare_in_turns(args, LAYERS if args.layers else ANCHOR_SLOT if args.anchor_slot else KERNELS
                           if args.kernels else OPTIMIZERS if args.optimizer else SPLIT_GRID)
         return
-    names = PRECISIONS if args.precisions else ("bf16-mixed", "prefix-weighting") if args.prefix else ("naive", "ours")
+    names = PRECISIONS if args.precisions else ("prefix-off", "prefix-weighting") if args.prefix else ("naive", "ours")
     results = {name: _one(name, args) for name in names}
     if args.precisions:
         _print_precisions(results, args)
         return
     if args.prefix:
-        a, b = results["bf16-mixed"], results["prefix-weighting"]
-        print(f"T={DEMO.tokens} anchors={DEMO.anchors} B={DEMO.block} vocab={DEMO.vocab}, bf16-mixed, {args.steps} timed steps: "
+        a, b = results["prefix-off"], results["prefix-weighting"]
+        print(f"T={DEMO.tokens} anchors={DEMO.anchors} B={DEMO.block} vocab={DEMO.vocab}, {_precision_label()}, "
+              f"{args.steps} timed steps: "
               f"step {a['step_s']:.3f} s plain, {b['step_s']:.3f} s with prefix weighting "
               f"({b['step_s'] / a['step_s']:.2f}x)")
         return
@@ -309,6 +330,11 @@ def main() -> None:
     print(f"  LM head alone {o['head_s']:.3f} s (the same exact work in both): no variant of the rest can beat "
           f"{n['step_s'] / o['head_s']:.2f}x; the rest of the step is {n['step_s'] - o['head_s']:.3f} s naive vs "
           f"{o['step_s'] - o['head_s']:.3f} s ours ({(n['step_s'] - o['head_s']) / max(o['step_s'] - o['head_s'], 1e-9):.1f}x)")
+
+
+def _precision_label() -> str:
+    precision, why = recipe_precision()
+    return f"{precision} (the recipe's auto: {why})"
 
 
 def _one(name: str, args) -> dict:
@@ -328,8 +354,8 @@ def _compare_in_turns(args, variants: dict) -> None:
     rounds = [{name: _one(name, args)["step_s"] for name in names} for _ in range(args.rounds)]
     s = DEMO_DOCS if variants is SPLIT_GRID else DEMO_B4
     what = "forward + backward + the optimizer's step" if variants is OPTIMIZERS else "forward + backward, no optimizer"
-    print(f"T={s.tokens} in {s.documents} document(s) anchors={s.anchors} B={s.block} vocab={s.vocab}, bf16-mixed, "
-          "prefix weighting, "
+    print(f"T={s.tokens} in {s.documents} document(s) anchors={s.anchors} B={s.block} vocab={s.vocab}, "
+          f"{_precision_label()}, prefix weighting, "
           f"{args.steps} timed steps x {args.rounds} rounds ({what})")
     for name in names:
         steps = [r[name] for r in rounds]

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from dflash_train.model import fused_ops
+from dflash_train.model import fused_ops, row_buckets
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.fused_ops import rotate_half
 from dflash_train.model.train_layout import TrainLayout, dense_training_mask
@@ -100,9 +100,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DFlashMLP(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = row_buckets.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = row_buckets.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = row_buckets.Linear(config.intermediate_size, config.hidden_size, bias=False)
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {config.hidden_act!r}: DFlash drafters use silu")
         self.fused = False
@@ -122,10 +122,10 @@ class DFlashAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.window = config.sliding_window if config.layer_type(layer_idx) == "sliding_attention" else None
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = row_buckets.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = row_buckets.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = row_buckets.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = row_buckets.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -336,13 +336,13 @@ class DFlashDraftModel(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
-        self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, config.hidden_size, bias=False)
+        self.fc = row_buckets.Linear(config.num_aux_layers * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = DFlashRotary(config)
         if config.reduced_vocab:
-            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            self.lm_head = row_buckets.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         else:

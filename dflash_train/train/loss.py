@@ -47,6 +47,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from dflash_train.model import row_buckets
 from dflash_train.train import head_epilogue
 from dflash_train.train.anchors import IGNORE
 
@@ -75,7 +76,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             raise
         except (TypeError, RuntimeError, NotImplementedError):  # an older torch: round the output once
             _FP32_OUT["cuda"] = False
-    return (a @ b).float()
+    return row_buckets.mm(a, b).float()  # on a CPU, oneDNN's kernels reused across the steps' row counts
 
 
 def head_matmul_dtype(hidden: torch.dtype, weight: torch.dtype, device_type: str) -> torch.dtype:

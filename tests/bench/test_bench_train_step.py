@@ -81,3 +81,23 @@ def test_the_split_grid_variants_compute_the_same_step():
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
     assert max(abs(x - y) for x, y in zip(a["fc_grad"], b["fc_grad"], strict=True)) < 2e-2 * max(
         abs(x) for x in a["fc_grad"])
+
+
+def test_the_recipe_step_runs_the_precision_auto_picks_here():
+    """The recipe-step modes time what the trainer runs on this CPU: bf16-mixed where `auto` picks bfloat16, fp32
+    where it does not (an AVX2 cap on oneDNN, a float32 pin), not bf16-mixed everywhere (under a cap that was
+    emulated bf16, 3.1 s a step against the demo's 0.25 s). The pin stands in for the CPU's flags."""
+    import json
+
+    rows = {}
+    for pin in ("float32", "bfloat16"):
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_step.py"), "--variant",
+                              "prefix-weighting", "--steps", "1"], capture_output=True, text=True, timeout=600,
+                             cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
+                                            "DFLASH_AUTO_DTYPE": pin})
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows[pin] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (rows["float32"]["autocast"], rows["bfloat16"]["autocast"]) == (None, "bf16")
+    # the same step in two precisions: close (bf16 keeps ~3 digits), not equal
+    assert rows["float32"]["loss"] == pytest.approx(rows["bfloat16"]["loss"], rel=2e-2)
+    assert rows["float32"]["loss"] != rows["bfloat16"]["loss"]

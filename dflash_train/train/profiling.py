@@ -123,7 +123,9 @@ class StepProfile:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
         self._sync()
-        self.prof = profile(activities=activities)
+        # the operands' shapes in the trace: a matmul slow at one shape and not another (oneDNN compiling a kernel
+        # for each new CPU bf16 shape, model/row_buckets.py) shows only with them
+        self.prof = profile(activities=activities, record_shapes=True)
         self.prof.__enter__()
         self.t0 = time.perf_counter()
 

@@ -37,9 +37,15 @@ documents of 128 tokens, 32 blocks each) with split attention run by run, each r
 the same step with the head's epilogue and the layers' norms, SwiGLU and RoPE eager (the CPU default: `objective.head`, `objective.layer_kernels` auto) and compiled (Inductor's
 C++ kernels; the first, untimed step compiles).
 
+`--row-buckets` compares the same step on a micro-batch of another size every step (880-1,024 tokens), as a
+run meets them, with CPU half-precision matmuls at their own row counts (oneDNN compiles a kernel for each new
+shape: before 2026-12-05) and at `model/row_buckets.py`'s 8 sizes an octave. With fp32 (`auto` on CPUs without
+bf16 instructions) the two variants run the same matmuls.
+
 Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]
        python bench/bench_train_step.py --layers [--steps 10] [--rounds 3]
-       python bench/bench_train_step.py --anchor-slot | --kernels | --optimizer | --split-grid [--steps 10]
+       python bench/bench_train_step.py --anchor-slot | --kernels | --optimizer | --split-grid | --row-buckets
+           [--steps 10]
            [--rounds 3]
 """
 
@@ -162,6 +168,10 @@ KERNELS = {"kernels-eager": "eager", "kernels-compiled": "compiled"}
 # --split-grid: the recipe's step on a micro-batch like the demo's (8 documents of 128 tokens, 32 blocks each) with
 # split attention run by run (checkpointed: before 2026-12-05) and in one padded grid (SPLIT_GRID_ELEMENTS)
 SPLIT_GRID = {"split-runs": 0, "split-grid": None}
+# --row-buckets: the recipe's step on a micro-batch of another size every step, as a run meets them (880-1,024
+# tokens, 4 blocks per 21 tokens), with CPU half-precision matmuls at their own row counts (oneDNN compiles a
+# kernel for each new shape) and rounded to model/row_buckets.py's sizes
+ROW_BUCKETS = {"row-buckets-off": False, "row-buckets-on": True}
 DEMO_DOCS = replace(SMOLLM2, vocab=4096, block=4, anchors=256, documents=8)
 # --optimizer: the recipe's step with its optimizer step after the backward: AdamW (the recipe), or Muon for the
 # layers' matrices and fc at 5 and 3 Newton-Schulz iterations a step (`optim.algorithm: muon`,
@@ -211,12 +221,16 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         _compute_the_anchor_slot()
     # the recipe's precision with prefix weighting at the B=4 demo's shape, this depth and width (--anchor-slot: the
     # recipe's)
+    if name in ROW_BUCKETS:
+        import dflash_train.model.row_buckets as row_buckets
+
+        row_buckets.ENABLED = ROW_BUCKETS[name]
     if name in SPLIT_GRID and SPLIT_GRID[name] is not None:
         import dflash_train.model.modeling_dflash as modeling
 
         modeling.SPLIT_GRID_ELEMENTS = SPLIT_GRID[name]
     depth = LAYERS.get(name) or (LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS, **OPTIMIZERS,
-                                                                      **SPLIT_GRID} else None)
+                                                                      **SPLIT_GRID, **ROW_BUCKETS} else None)
     kernels = KERNELS.get(name, "eager")
     prefix = name == "prefix-weighting" or depth is not None  # objective.prefix_weighting on
     # the recipe-step modes (--prefix, --layers, ...) run the recipe's `auto` precision; --precisions names its own
@@ -244,9 +258,14 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
                               muon_ns_steps=ns, muon_every=every)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batches = [mb]
+    if name in ROW_BUCKETS:  # one size a step, the same sizes for both variants
+        sizes = [1024 - (37 * i) % 145 for i in range(steps + 1)]
+        batches = [build_step(replace(DEMO_B4, tokens=t, anchors=4 * t // 21))[1] for t in sizes]
     positions = int((mb.labels != -100).sum())
     times, losses = [], []
     for i in range(steps + 1):  # first step is warm-up
+        mb = batches[i % len(batches)]
         t0 = time.perf_counter()
         if name == "naive":
             loss = _naive_loss(model, mb)
@@ -293,8 +312,12 @@ def main() -> None:
     ap.add_argument("--optimizer", action="store_true",
                     help="compare the demo recipe's step with its optimizer step: AdamW against Muon (5 and 3 "
                          "iterations a step, 5 every 8th step)")
+    ap.add_argument("--row-buckets", action="store_true",
+                    help="compare the demo recipe's step on micro-batches of changing sizes with CPU half-precision "
+                         "matmuls at their own row counts and at model/row_buckets.py's")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="--layers, --anchor-slot, --kernels, --optimizer, --split-grid: turns of every variant")
+                    help="--layers, --anchor-slot, --kernels, --optimizer, --split-grid, --row-buckets: turns of "
+                         "every variant")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -303,9 +326,10 @@ def main() -> None:
     from dflash_train.machine import describe, machine_facts
 
     print(f"machine: {describe(machine_facts())}")
-    if args.layers or args.anchor_slot or args.kernels or args.optimizer or args.split_grid:
+    if args.layers or args.anchor_slot or args.kernels or args.optimizer or args.split_grid or args.row_buckets:
         _compare_in_turns(args, LAYERS if args.layers else ANCHOR_SLOT if args.anchor_slot else KERNELS
-                          if args.kernels else OPTIMIZERS if args.optimizer else SPLIT_GRID)
+                          if args.kernels else OPTIMIZERS if args.optimizer else SPLIT_GRID if args.split_grid
+                          else ROW_BUCKETS)
         return
     names = PRECISIONS if args.precisions else ("prefix-off", "prefix-weighting") if args.prefix else ("naive", "ours")
     results = {name: _one(name, args) for name in names}
@@ -354,7 +378,8 @@ def _compare_in_turns(args, variants: dict) -> None:
     rounds = [{name: _one(name, args)["step_s"] for name in names} for _ in range(args.rounds)]
     s = DEMO_DOCS if variants is SPLIT_GRID else DEMO_B4
     what = "forward + backward + the optimizer's step" if variants is OPTIMIZERS else "forward + backward, no optimizer"
-    print(f"T={s.tokens} in {s.documents} document(s) anchors={s.anchors} B={s.block} vocab={s.vocab}, "
+    tokens, anchors = ("880-1024 (one size a step)", "167-195") if variants is ROW_BUCKETS else (s.tokens, s.anchors)
+    print(f"T={tokens} in {s.documents} document(s) anchors={anchors} B={s.block} vocab={s.vocab}, "
           f"{_precision_label()}, prefix weighting, "
           f"{args.steps} timed steps x {args.rounds} rounds ({what})")
     for name in names:

@@ -232,7 +232,8 @@ class DFlashAttention(nn.Module):
         against each run's context span gathered into [R, Hq, L, d], the scores gathered back per block for
         the same one softmax over [own context ; own block] as `_attend_run`, and the probabilities
         scattered into the grid again for the values. q [N, Hq, Bq, d] -> [N, Hq, Bq, d]."""
-        rows, ctx_index, ctx_ok, runs, per_run, span, _ = layout.padded_runs(self.window)
+        rows, ctx_index, ctx_ok, runs, per_run, span, _ = layout.padded_runs(
+            self.window, bucket=row_buckets.compiles_per_shape(q))
         n, h, bq, d = q.shape
 
         def to_grid(x):  # [N, h, bq, e] -> [R, h, P * bq, e]

@@ -102,14 +102,21 @@ class TrainLayout:
                                        sum((hi - lo) * (c1 - c0) for lo, hi, c0, c1 in runs))
         return self.cache["grid_size"]
 
-    def padded_runs(self, window: int | None) -> GridRuns:
+    def padded_runs(self, window: int | None, bucket: bool = False) -> GridRuns:
         """The split runs side by side in one padded grid, so that attention over all of them is a few batched
-        ops (split attention's `_attend_grid`). Built once from the host's runs, shared by every layer."""
-        key = ("padded", window)
+        ops (split attention's `_attend_grid`). Built once from the host's runs, shared by every layer. bucket:
+        the grid's runs rounded up to a multiple of 4 and its blocks a run and span to `row_buckets.rows`, so
+        the batched matmuls meet a few shapes in a run (CPU half precision: oneDNN compiles one per shape); the
+        added runs, rows and context columns are padding that no block reads or may attend to."""
+        key = ("padded", window, bucket)
         if key not in self.cache:
             runs = self.segments()
             dev = self.anchors.device
             n_runs, grid_p, grid_l, run_pairs = self.grid_size()
+            if bucket and runs:
+                from dflash_train.model.row_buckets import rows as bucket_rows
+
+                n_runs, grid_p, grid_l = -(-n_runs // 4) * 4, bucket_rows(grid_p), bucket_rows(max(1, grid_l))
             if not runs:  # no blocks: nothing to attend (split attention then has no run either)
                 empty = torch.zeros(0, dtype=torch.long, device=dev)
                 self.cache[key] = GridRuns(empty, empty[:, None], torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=dev),
@@ -119,7 +126,8 @@ class TrainLayout:
             rows = torch.tensor([r * grid_p + j for r, (lo, hi, _, _) in enumerate(runs) for j in range(hi - lo)],
                                 device=dev)
             run_of = torch.tensor([r for r, (lo, hi, _, _) in enumerate(runs) for _ in range(lo, hi)], device=dev)
-            t = torch.tensor([c0 for _, _, c0, _ in runs], device=dev)[:, None] + torch.arange(grid_l, device=dev)
+            starts = [c0 for _, _, c0, _ in runs] + [0] * (n_runs - len(runs))  # added runs: read from 0, unused
+            t = torch.tensor(starts, device=dev)[:, None] + torch.arange(grid_l, device=dev)
             ctx_index = t.clamp(max=self.ctx_positions.numel() - 1)
             # a run's context starts at its document's start: before the anchor is all a block may see there
             ok = (t[run_of] < self.anchors[:, None])[:, None, :].expand(-1, self.block_positions.shape[1], -1)

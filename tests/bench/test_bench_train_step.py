@@ -101,3 +101,12 @@ def test_the_recipe_step_runs_the_precision_auto_picks_here():
     # the same step in two precisions: close (bf16 keeps ~3 digits), not equal
     assert rows["float32"]["loss"] == pytest.approx(rows["bfloat16"]["loss"], rel=2e-2)
     assert rows["float32"]["loss"] != rows["bfloat16"]["loss"]
+
+
+def test_the_row_bucket_variants_compute_the_same_step():
+    """--row-buckets: matmuls at their own row counts and at row_buckets' sizes give one loss and gradient (bf16
+    rounding apart) on the same micro-batches, or the ratio would compare other maths."""
+    a, b = _variant_rows("row-buckets-off", "row-buckets-on")
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+    assert max(abs(x - y) for x, y in zip(a["fc_grad"], b["fc_grad"], strict=True)) < 2e-2 * max(
+        abs(x) for x in a["fc_grad"])

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_train.model import row_buckets
-from dflash_train.model.row_buckets import linear, mm, rows
+from dflash_train.model.row_buckets import mm, rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
@@ -101,3 +101,33 @@ def test_a_training_step_of_any_size_meets_bucketed_matmuls_only():
         row_buckets.ENABLED = True
     assert any(d != rows(d) for dim in raw for d in dim if d not in fixed)
     assert loss == pytest.approx(raw_loss, rel=1e-2)
+
+
+def test_the_bucketed_attention_grid_computes_the_same_step(monkeypatch):
+    """Split attention's grid of runs rounded up (runs to a multiple of 4, blocks a run and span to `rows`):
+    the added runs, rows and context columns are padding no block reads or attends to. In fp32, with the grid
+    forced on, the loss and every gradient equal the unpadded grid's to fp32 rounding."""
+    from bench_train_step import DEMO_DOCS, build_step
+
+    import dflash_train.model.modeling_dflash as modeling
+    from dflash_train.train.batches import microbatch_loss
+
+    model, mb = build_step(replace(DEMO_DOCS, tokens=7 * 111, documents=7, anchors=7 * 21))
+    natural = mb.layout.grid_size()
+    grid = mb.layout.padded_runs(None, bucket=True)
+    assert (grid.runs, grid.per_run, grid.span) != natural[:3]  # the sizes were not buckets already
+    assert grid.runs % 4 == 0 and grid.per_run == rows(natural[1]) and grid.span == rows(natural[2])
+
+    def step(bucket):
+        monkeypatch.setattr(modeling.row_buckets, "compiles_per_shape", lambda x: bucket)
+        model.zero_grad()
+        loss, _ = microbatch_loss(model, mb, chunk=256)
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    del mb.layout.cache[("padded", None, True)]
+    (loss_a, grads_a), (loss_b, grads_b) = step(False), step(True)
+    assert {("padded", None, False), ("padded", None, True)} <= mb.layout.cache.keys()  # both took the grid
+    assert loss_b == pytest.approx(loss_a, rel=1e-6)
+    for name, g in grads_a.items():
+        torch.testing.assert_close(grads_b[name], g, rtol=1e-5, atol=1e-6 * max(1.0, float(g.abs().max())), msg=name)

@@ -8,7 +8,7 @@ kernels anew: on 2 cores of an Intel Xeon with AMX the demo's fc matmul (~1,000 
 which compiles nothing: they are left as they are.
 
 `rows(n)` rounds a count up to one of 8 sizes per octave (multiples of 16 below 256, then of
-1/8 of the power of two below it): at most 1/8 more rows, and a run meets a few dozen shapes
+1/8 of the power of two below it): at most 1/8 more rows (15 below 128), and a run meets a few dozen shapes
 instead of one per step. The padding is zeros, so every product that is kept is the unpadded matmul's
 sum (a padded row of A adds a row that is sliced off; a padded inner dimension adds zero products),
 rounded as oneDNN's blocking for the padded shape adds it up (bf16 outputs may differ by an ulp);

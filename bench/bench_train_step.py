@@ -89,10 +89,8 @@ def build_step(shape: Shape, device: str = "cpu", dtype=None):
     the features live on `device` in `dtype` (the micro-batch's bookkeeping stays on the host)."""
     import torch
 
-    from dflash_train.data.packing import Document
     from dflash_train.model.config import DFlashConfig
     from dflash_train.model.modeling_dflash import DFlashDraftModel
-    from dflash_train.train.batches import build_microbatch
 
     dtype = dtype or torch.float32
     torch.manual_seed(0)
@@ -107,6 +105,19 @@ def build_step(shape: Shape, device: str = "cpu", dtype=None):
     model.to(device, dtype)
     model.attach_target_weights((torch.randn(s.vocab, s.target_hidden) * 0.02).to(device, dtype),
                                 (torch.randn(s.vocab, s.hidden) * 0.02).to(device, dtype))
+    return model, build_batch(shape, device, dtype)
+
+
+def build_batch(shape: Shape, device: str = "cpu", dtype=None):
+    """A micro-batch at `shape` (random tokens and features from torch's global generator; `build_step` seeds
+    it), its features on `device` in `dtype`."""
+    import torch
+
+    from dflash_train.data.packing import Document
+    from dflash_train.train.batches import build_microbatch
+
+    dtype = dtype or torch.float32
+    s = shape
     length = s.tokens // s.documents
     docs = []
     for _ in range(s.documents):
@@ -115,9 +126,8 @@ def build_step(shape: Shape, device: str = "cpu", dtype=None):
         docs.append(Document(torch.randint(0, s.vocab, (length,)), mask,
                              torch.randn(length, s.features * s.target_hidden).to(device, dtype),
                              torch.randint(0, s.vocab, (length,))))
-    mb = build_microbatch(docs, list(range(s.documents)), block_size=s.block,
-                          anchors_per_document=s.anchors // s.documents, labels="greedy", seed=0, epoch=0)
-    return model, mb
+    return build_microbatch(docs, list(range(s.documents)), block_size=s.block,
+                            anchors_per_document=s.anchors // s.documents, labels="greedy", seed=0, epoch=0)
 
 
 def _setup(vocab: int):
@@ -219,12 +229,12 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if ANCHOR_SLOT.get(name):
         _compute_the_anchor_slot()
-    # the recipe's precision with prefix weighting at the B=4 demo's shape, this depth and width (--anchor-slot: the
-    # recipe's)
     if name in ROW_BUCKETS:
         import dflash_train.model.row_buckets as row_buckets
 
         row_buckets.ENABLED = ROW_BUCKETS[name]
+    # the recipe's precision with prefix weighting at the B=4 demo's shape, this depth and width (--anchor-slot: the
+    # recipe's)
     if name in SPLIT_GRID and SPLIT_GRID[name] is not None:
         import dflash_train.model.modeling_dflash as modeling
 
@@ -261,7 +271,7 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     batches = [mb]
     if name in ROW_BUCKETS:  # one size a step, the same sizes for both variants
         sizes = [1024 - (37 * i) % 145 for i in range(steps + 1)]
-        batches = [build_step(replace(DEMO_B4, tokens=t, anchors=4 * t // 21))[1] for t in sizes]
+        batches = [build_batch(replace(DEMO_B4, tokens=t, anchors=4 * t // 21)) for t in sizes]
     positions = int((mb.labels != -100).sum())
     times, losses = [], []
     for i in range(steps + 1):  # first step is warm-up

@@ -130,6 +130,10 @@ class _RoPE(torch.autograd.Function):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., heads, n, d]; cos/sin [..., n, d] (no gradient), as modeling_dflash.apply_rope."""
+    # contiguous tables: split attention's last layer passes the blocks' tables without the anchor's slot
+    # (a view whose row stride is the whole block's), and a compiled graph guards on that stride: the view
+    # compiled a second forward and backward graph. The copy is 1/heads of x's size
+    cos, sin = cos.contiguous(), sin.contiguous()
     if x.dim() == 3:  # the context: [heads, T, d] against [T, d]
         return _RoPE.apply(x[None], cos[None], sin[None])[0]
     return _RoPE.apply(x, cos, sin)

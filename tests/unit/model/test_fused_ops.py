@@ -69,7 +69,7 @@ def test_each_fused_op_gives_the_eager_values_and_gradients(dtype, tol):
 
 
 @slow
-def test_a_whole_step_with_fused_ops_equals_eager_and_compiles_at_most_ten_graphs():
+def test_a_whole_step_with_fused_ops_equals_eager_and_compiles_ten_graphs():
     """Two micro-batch shapes, with and without activation checkpointing, and the no-grad check: the loss
     and every gradient of the eager layers, from RMSNorm at two sizes, SwiGLU and RoPE on blocks and
     context, each forward and backward: 10 graphs in all."""
@@ -89,6 +89,7 @@ def test_a_whole_step_with_fused_ops_equals_eager_and_compiles_at_most_ten_graph
         return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     eager = [step(mb), step(mb2)]
+    torch._dynamo.reset()  # a count of its own, whatever compiled these functions earlier in the worker
     base = counters["stats"]["unique_graphs"]
     model.use_fused_ops(True)
     fused = [step(mb), step(mb2)]
@@ -101,8 +102,7 @@ def test_a_whole_step_with_fused_ops_equals_eager_and_compiles_at_most_ten_graph
         assert grads_f.keys() == grads_e.keys()
         for name, ge in grads_e.items():
             assert float((grads_f[name] - ge).abs().max()) <= 1e-5 * max(1.0, float(ge.abs().max())), name
-    # 10 in a fresh process; fewer after other tests compiled these functions (their sizes are dynamic then)
-    assert counters["stats"]["unique_graphs"] - base <= 10
+    assert counters["stats"]["unique_graphs"] - base == 10
     assert compiled.fallbacks == {}
     model.use_fused_ops(False)
     assert step(mb)[0] == eager[0][0]  # off again: the eager layers exactly

@@ -42,9 +42,16 @@ run meets them, with CPU half-precision matmuls at their own row counts (oneDNN 
 shape: before 2026-12-05) and at `model/row_buckets.py`'s 8 sizes an octave. With fp32 (`auto` on CPUs without
 bf16 instructions) the two variants run the same matmuls.
 
+`--compiled-step` compares the same step on eight documents of a micro-batch size that changes every step
+(`--steps` sizes of 880-1,024 tokens), eager and under `torch.compile(dynamic=True)` (forward and backward, no
+optimizer step): two passes over the sizes; the step time is the second pass's, the first pass's seconds (each new
+size compiles: the micro-batch's sizes are specialised) are printed beside it. Measured on AMX cores: the compiled
+step 0.6x, ~30-45 s of compiling a size (docs/results/2026-12-05-drafter-quality-round-26.md).
+
 Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]
        python bench/bench_train_step.py --layers [--steps 10] [--rounds 3]
-       python bench/bench_train_step.py --anchor-slot | --kernels | --optimizer | --split-grid | --row-buckets
+       python bench/bench_train_step.py --anchor-slot | --kernels | --optimizer | --split-grid | --row-buckets |
+           --compiled-step
            [--steps 10]
            [--rounds 3]
 """
@@ -183,6 +190,9 @@ SPLIT_GRID = {"split-runs": 0, "split-grid": None}
 # kernel for each new shape) and rounded to model/row_buckets.py's sizes
 ROW_BUCKETS = {"row-buckets-off": False, "row-buckets-on": True}
 DEMO_DOCS = replace(SMOLLM2, vocab=4096, block=4, anchors=256, documents=8)
+# --compiled-step: the recipe's step on eight documents whose size changes every step, eager and with the forward and
+# backward under torch.compile (a probe: the trainer does not compile its step)
+COMPILED_STEP = {"step-eager": False, "step-compiled": True}
 # --optimizer: the recipe's step with its optimizer step after the backward: AdamW (the recipe), or Muon for the
 # layers' matrices and fc at 5 and 3 Newton-Schulz iterations a step (`optim.algorithm: muon`,
 # `optim.muon_ns_steps`), 5 every 8th step (`optim.muon_every`: time a multiple of 8 steps, e.g. --steps 16), and
@@ -240,14 +250,15 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
 
         modeling.SPLIT_GRID_ELEMENTS = SPLIT_GRID[name]
     depth = LAYERS.get(name) or (LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS, **OPTIMIZERS,
-                                                                      **SPLIT_GRID, **ROW_BUCKETS} else None)
+                                                                      **SPLIT_GRID, **ROW_BUCKETS, **COMPILED_STEP}
+                                 else None)
     kernels = KERNELS.get(name, "eager")
     prefix = name == "prefix-weighting" or depth is not None  # objective.prefix_weighting on
     # the recipe-step modes (--prefix, --layers, ...) run the recipe's `auto` precision; --precisions names its own
     recipe_step = prefix or name == "prefix-off"
     mixed = name == "bf16-mixed" if name in PRECISIONS else recipe_step and recipe_precision()[0] == "bf16-mixed"
     if depth is not None:
-        shape = DEMO_DOCS if name in SPLIT_GRID else DEMO_B4
+        shape = DEMO_DOCS if name in SPLIT_GRID or name in COMPILED_STEP else DEMO_B4
         model, mb = build_step(replace(shape, layers=depth[0], intermediate=depth[1]))
         model.use_fused_ops(kernels == "compiled")
     else:
@@ -272,17 +283,28 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     if name in ROW_BUCKETS:  # one size a step, the same sizes for both variants
         sizes = [1024 - (37 * i) % 145 for i in range(steps + 1)]
         batches = [build_batch(replace(DEMO_B4, tokens=t, anchors=4 * t // 21)) for t in sizes]
+    def recipe_loss(model, mb):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            return microbatch_loss(model, mb, attention="split", chunk=chunk, prefix_weighting=prefix, head=kernels)[0]
+
+    first_pass = None
+    if name in COMPILED_STEP:  # `steps` sizes of eight documents; a first pass over them (compiles), then the timed one
+        sizes = [8 * ((1024 - (37 * i) % 145) // 8) for i in range(steps)]
+        batches = [build_batch(replace(DEMO_DOCS, tokens=t, anchors=8 * (t // 32))) for t in sizes]
+        if COMPILED_STEP[name]:
+            recipe_loss = torch.compile(recipe_loss, dynamic=True)
+        t0 = time.perf_counter()
+        for b in batches:
+            (recipe_loss(model, b) / b.weight_sum).backward()
+            model.zero_grad(set_to_none=True)
+        first_pass = time.perf_counter() - t0
+        batches = batches[-1:] + batches  # the loop's untimed first step, then each size once
     positions = int((mb.labels != -100).sum())
     times, losses = [], []
     for i in range(steps + 1):  # first step is warm-up
         mb = batches[i % len(batches)]
         t0 = time.perf_counter()
-        if name == "naive":
-            loss = _naive_loss(model, mb)
-        else:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
-                loss, _ = microbatch_loss(model, mb, attention="split", chunk=chunk, prefix_weighting=prefix,
-                                          head=kernels)
+        loss = _naive_loss(model, mb) if name == "naive" else recipe_loss(model, mb)
         (loss / mb.weight_sum).backward()
         losses.append(float(loss) / mb.weight_sum)
         if i == 0:
@@ -296,7 +318,11 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     out = {"variant": name, "step_s": step_s, "positions_per_s": positions / step_s, "loss": losses[0],
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "fc_grad": grad.tolist()[:4096],
            "optimizer": type(opt).__name__ if stepping else None, "last_loss": losses[-1],
-           "autocast": "bf16" if mixed else None}
+           "autocast": "bf16" if mixed else None, "first_pass_s": first_pass}
+    if name in COMPILED_STEP:
+        from torch._dynamo.utils import counters
+
+        out["graphs"] = counters["stats"]["unique_graphs"]
     if name == "ours":
         out["head_s"] = _head_alone(model, mb, chunk, steps)
     return out
@@ -325,6 +351,9 @@ def main() -> None:
     ap.add_argument("--row-buckets", action="store_true",
                     help="compare the demo recipe's step on micro-batches of changing sizes with CPU half-precision "
                          "matmuls at their own row counts and at model/row_buckets.py's")
+    ap.add_argument("--compiled-step", action="store_true",
+                    help="compare the demo recipe's step on micro-batches of changing sizes eager and under "
+                         "torch.compile (dynamic shapes)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="--layers, --anchor-slot, --kernels, --optimizer, --split-grid, --row-buckets: turns of "
                          "every variant")
@@ -336,10 +365,11 @@ def main() -> None:
     from dflash_train.machine import describe, machine_facts
 
     print(f"machine: {describe(machine_facts())}")
-    if args.layers or args.anchor_slot or args.kernels or args.optimizer or args.split_grid or args.row_buckets:
+    if (args.layers or args.anchor_slot or args.kernels or args.optimizer or args.split_grid or args.row_buckets
+            or args.compiled_step):
         _compare_in_turns(args, LAYERS if args.layers else ANCHOR_SLOT if args.anchor_slot else KERNELS
                           if args.kernels else OPTIMIZERS if args.optimizer else SPLIT_GRID if args.split_grid
-                          else ROW_BUCKETS)
+                          else ROW_BUCKETS if args.row_buckets else COMPILED_STEP)
         return
     names = PRECISIONS if args.precisions else ("prefix-off", "prefix-weighting") if args.prefix else ("naive", "ours")
     results = {name: _one(name, args) for name in names}
@@ -385,10 +415,12 @@ def _compare_in_turns(args, variants: dict) -> None:
     import statistics
 
     names = list(variants)
-    rounds = [{name: _one(name, args)["step_s"] for name in names} for _ in range(args.rounds)]
-    s = DEMO_DOCS if variants is SPLIT_GRID else DEMO_B4
+    rows = [{name: _one(name, args) for name in names} for _ in range(args.rounds)]
+    rounds = [{name: r[name]["step_s"] for name in names} for r in rows]
+    s = DEMO_DOCS if variants is SPLIT_GRID or variants is COMPILED_STEP else DEMO_B4
     what = "forward + backward + the optimizer's step" if variants is OPTIMIZERS else "forward + backward, no optimizer"
-    tokens, anchors = ("880-1024 (one size a step)", "167-195") if variants is ROW_BUCKETS else (s.tokens, s.anchors)
+    tokens, anchors = (("880-1024 (one size a step)", "167-195") if variants is ROW_BUCKETS else
+                       ("880-1024 (one size a step)", "216-256") if variants is COMPILED_STEP else (s.tokens, s.anchors))
     print(f"T={tokens} in {s.documents} document(s) anchors={anchors} B={s.block} vocab={s.vocab}, "
           f"{_precision_label()}, prefix weighting, "
           f"{args.steps} timed steps x {args.rounds} rounds ({what})")
@@ -396,8 +428,10 @@ def _compare_in_turns(args, variants: dict) -> None:
         steps = [r[name] for r in rounds]
         ratio = statistics.median(r[name] / r[names[0]] for r in rounds)
         label = "{} layer(s), MLP {:5d}".format(*variants[name]) if variants is LAYERS else name
+        first = [r[name]["first_pass_s"] for r in rows if r[name].get("first_pass_s") is not None]
         print(f"  {label}: step {statistics.median(steps):.3f} s (median; "
-              f"{min(steps):.3f}-{max(steps):.3f}), {ratio:.2f}x {names[0]}")
+              f"{min(steps):.3f}-{max(steps):.3f}), {ratio:.2f}x {names[0]}"
+              + (f"; first pass over the sizes {statistics.median(first):.1f} s" if first else ""))
 
 
 def _print_precisions(results: dict, args) -> None:

@@ -137,6 +137,12 @@ def build_batch(shape: Shape, device: str = "cpu", dtype=None):
                             anchors_per_document=s.anchors // s.documents, labels="greedy", seed=0, epoch=0)
 
 
+def changing_sizes(n: int) -> list[int]:
+    """n micro-batch token counts of 880-1,024, another each step, as a run meets them (--row-buckets,
+    --compiled-step: the same sizes for every variant)."""
+    return [1024 - (37 * i) % 145 for i in range(n)]
+
+
 def _setup(vocab: int):
     return build_step(replace(SMOLLM2, vocab=vocab))
 
@@ -281,15 +287,15 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = [mb]
     if name in ROW_BUCKETS:  # one size a step, the same sizes for both variants
-        sizes = [1024 - (37 * i) % 145 for i in range(steps + 1)]
-        batches = [build_batch(replace(DEMO_B4, tokens=t, anchors=4 * t // 21)) for t in sizes]
+        batches = [build_batch(replace(DEMO_B4, tokens=t, anchors=4 * t // 21)) for t in changing_sizes(steps + 1)]
+
     def recipe_loss(model, mb):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
             return microbatch_loss(model, mb, attention="split", chunk=chunk, prefix_weighting=prefix, head=kernels)[0]
 
     first_pass = None
     if name in COMPILED_STEP:  # `steps` sizes of eight documents; a first pass over them (compiles), then the timed one
-        sizes = [8 * ((1024 - (37 * i) % 145) // 8) for i in range(steps)]
+        sizes = [8 * (t // 8) for t in changing_sizes(steps)]  # eight documents of equal length
         batches = [build_batch(replace(DEMO_DOCS, tokens=t, anchors=8 * (t // 32))) for t in sizes]
         if COMPILED_STEP[name]:
             recipe_loss = torch.compile(recipe_loss, dynamic=True)

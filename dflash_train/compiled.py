@@ -35,14 +35,15 @@ def compiled(name: str, fn: Callable) -> Callable:
 
 
 def call(name: str, fn: Callable, args: Sequence, dynamic: dict[int, Sequence[int]] | None = None,
-         knob: str = "a compiled kernel"):
+         knob: str = "a compiled kernel", detach: bool = True):
     """fn(*args), compiled under `name`. `dynamic`: {argument index: its dimensions that vary from call to
-    call}. `knob`: the recipe field that turns it off, named in the fallback warning."""
+    call}. `knob`: the recipe field that turns it off, named in the fallback warning. detach: the tensors go in
+    as plain tensors (False: autograd runs through the graph, as the training forward's does)."""
     if name in fallbacks:
         return fn(*args)
     # plain tensors: a compiled graph guards on requires_grad and on Parameter-or-not, which a function
     # called from inside an autograd.Function has no use for (it runs without autograd)
-    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    args = [a.detach() if detach and isinstance(a, torch.Tensor) else a for a in args]
     for i, dims in (dynamic or {}).items():
         for d in dims:
             torch._dynamo.maybe_mark_dynamic(args[i], d)

@@ -36,7 +36,7 @@ from torch import nn
 from dflash_train.model import fused_ops, row_buckets
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.fused_ops import rotate_half
-from dflash_train.model.train_layout import TrainLayout, dense_training_mask
+from dflash_train.model.train_layout import GridRuns, TrainLayout, dense_training_mask
 
 # split attention computes all runs in one padded grid up to this many scores (runs x blocks a run x heads x
 # queries a block x context span: ~5M for a CPU demo micro-batch of 1,024 tokens; 64 MiB in fp32), run by run
@@ -210,12 +210,16 @@ class DFlashAttention(nn.Module):
         """
         blk_ok = layout.block_allowed(self.window)
         blk_ok = None if blk_ok is None else blk_ok[q_from:]
+        if layout.grid is not None:  # a grid built beforehand in shapes that do not pin a compiled graph
+            return self._attend_grid(q, k_blk, v_blk, ctx_k, ctx_v, layout.grid, q_from, blk_ok)
         runs, per_run, span, run_pairs = layout.grid_size()  # host numbers: the grid is built only when taken
         per_pair = q.shape[1] * q.shape[2]  # scores per (block, context token): heads x queries
         grid = runs * per_run * max(1, span) * per_pair
         if runs and grid <= SPLIT_GRID_ELEMENTS and (
                 grid - run_pairs * per_pair <= (runs - 1) * SPLIT_GRID_PADDING_PER_RUN):
-            return self._attend_grid(q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from, blk_ok)
+            return self._attend_grid(q, k_blk, v_blk, ctx_k, ctx_v,
+                                     layout.padded_runs(self.window, bucket=row_buckets.compiles_per_shape(q)),
+                                     q_from, blk_ok)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_blk, v_blk, ctx_k, ctx_v))
         outs = []
         for lo, hi, c0, c1 in layout.segments():
@@ -227,13 +231,15 @@ class DFlashAttention(nn.Module):
                 outs.append(self._attend_run(*args))
         return torch.cat(outs, dim=0)
 
-    def _attend_grid(self, q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from, blk_ok):
+    def _attend_grid(self, q, k_blk, v_blk, ctx_k, ctx_v, grid: GridRuns, q_from, blk_ok):
         """Every run at once: the blocks' queries scattered into a [R, Hq, P * B, d] grid of runs, scored
         against each run's context span gathered into [R, Hq, L, d], the scores gathered back per block for
         the same one softmax over [own context ; own block] as `_attend_run`, and the probabilities
-        scattered into the grid again for the values. q [N, Hq, Bq, d] -> [N, Hq, Bq, d]."""
-        rows, ctx_index, ctx_ok, runs, per_run, span, _ = layout.padded_runs(
-            self.window, bucket=row_buckets.compiles_per_shape(q))
+        scattered into the grid again for the values. q [N, Hq, Bq, d] -> [N, Hq, Bq, d]. The grid's runs
+        and span are read from its tensors' shapes (a compiled step keeps them symbolic), its blocks a run
+        from `grid.per_run`."""
+        rows, ctx_index, ctx_ok, per_run = grid.rows, grid.ctx_index, grid.ctx_ok, grid.per_run
+        runs, span = ctx_index.shape
         n, h, bq, d = q.shape
 
         def to_grid(x):  # [N, h, bq, e] -> [R, h, P * bq, e]

@@ -36,6 +36,8 @@ class TrainLayout:
     block_positions [N, B] absolute positions of each block slot
     chunk_blocks    the split attention's unit of work: at most this many blocks at a time
     ctx_pad         flex: the context length every micro-batch of the run is padded to (model/flex.py)
+    grid            split attention's grid, built beforehand (`padded_runs(per_run=...)`): taken as it is, without the
+                    choice between the grid and the runs one by one that split attention makes from host sizes
     """
 
     anchors: torch.Tensor
@@ -44,6 +46,7 @@ class TrainLayout:
     block_positions: torch.Tensor
     chunk_blocks: int = 32
     ctx_pad: int | None = None
+    grid: GridRuns | None = None
     cache: dict = field(default_factory=dict)
 
     def context_allowed(self, window: int | None, lo: int = 0, hi: int | None = None, c0: int = 0,
@@ -102,13 +105,16 @@ class TrainLayout:
                                        sum((hi - lo) * (c1 - c0) for lo, hi, c0, c1 in runs))
         return self.cache["grid_size"]
 
-    def padded_runs(self, window: int | None, bucket: bool = False) -> GridRuns:
+    def padded_runs(self, window: int | None, bucket: bool = False, per_run: int | None = None,
+                    min_runs: int = 0) -> GridRuns:
         """The split runs side by side in one padded grid, so that attention over all of them is a few batched
         ops (split attention's `_attend_grid`). Built once from the host's runs, shared by every layer. bucket:
         the grid's runs rounded up to a multiple of 4 and its blocks a run and span to `row_buckets.rows`, so
         the batched matmuls meet a few shapes in a run (CPU half precision: oneDNN compiles one per shape); the
-        added runs, rows and context columns are padding that no block reads or may attend to."""
-        key = ("padded", window, bucket)
+        added runs, rows and context columns are padding that no block reads or may attend to. per_run: every
+        run padded to this many blocks (at least the longest run's) instead of to the longest run; min_runs:
+        at least this many runs."""
+        key = ("padded", window, bucket) + ((per_run, min_runs) if per_run is not None or min_runs else ())
         if key not in self.cache:
             runs = self.segments()
             dev = self.anchors.device
@@ -117,6 +123,9 @@ class TrainLayout:
                 from dflash_train.model.row_buckets import rows as bucket_rows
 
                 n_runs, grid_p, grid_l = -(-n_runs // 4) * 4, bucket_rows(grid_p), bucket_rows(max(1, grid_l))
+            if per_run is not None:
+                grid_p = max(grid_p, per_run)
+            n_runs = max(n_runs, min_runs) if runs else n_runs
             if not runs:  # no blocks: nothing to attend (split attention then has no run either)
                 empty = torch.zeros(0, dtype=torch.long, device=dev)
                 self.cache[key] = GridRuns(empty, empty[:, None], torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=dev),
@@ -148,6 +157,8 @@ class TrainLayout:
         out = TrainLayout(*(to_device(t, device) for t in (self.anchors, self.doc_start, self.ctx_positions,
                                                              self.block_positions)), chunk_blocks=self.chunk_blocks,
                           ctx_pad=self.ctx_pad)
+        if self.grid is not None:
+            out.grid = GridRuns(*(to_device(x, device) if isinstance(x, torch.Tensor) else x for x in self.grid))
         out.cache["segments"] = self.cache["segments"]
         return out
 

@@ -29,6 +29,7 @@ class StepKernels:
     logits_chunk: int
     head: str = "eager"  # eager | compiled (auto resolved): the LM head's per-chunk epilogue
     layers: str = "eager"  # eager | compiled (auto resolved): the draft layers' RMSNorm, SwiGLU, RoPE
+    forward: str = "eager"  # eager | compiled (auto resolved): the training forward as one graph (compiled_step)
 
 
 def resolve_attention(choice: str, device: torch.device | str) -> str:

@@ -18,6 +18,7 @@ import random
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from dflash_train.data.packing import plan_microbatches
 from dflash_train.errors import ConfigError
 from dflash_train.machine import machine_facts
 from dflash_train.train import checkpointing as ckpt
+from dflash_train.train import compiled_step
 from dflash_train.train.anchors import anchor_candidates
 from dflash_train.train.auto_dtypes import dtype_fields, resolve_auto_dtypes
 from dflash_train.train.batches import build_microbatch, head_rows, microbatch_loss
@@ -141,10 +143,15 @@ def train_step(engine, recipe: TrainRecipe, source: DocumentSource, plan: StepPl
     o = recipe.objective
     for i, mb in enumerate(mbs):
         with forward_precision(recipe, world.device):
-            loss_sum, st = microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
-                                           chunk=kernels.logits_chunk, head=kernels.head,
-                                           prefix_weighting=o.prefix_weighting, prefix_smoothing=o.prefix_smoothing,
-                                           kl_temperature=o.kl_temperature)
+            if kernels.forward == "compiled":
+                loss_sum, st = compiled_step.microbatch_loss(
+                    engine.module, mb, loss=o.loss, prefix_weighting=o.prefix_weighting,
+                    prefix_smoothing=o.prefix_smoothing, kl_temperature=o.kl_temperature)
+            else:
+                loss_sum, st = microbatch_loss(engine.module, mb, loss=o.loss, attention=kernels.attention,
+                                               chunk=kernels.logits_chunk, head=kernels.head,
+                                               prefix_weighting=o.prefix_weighting,
+                                               prefix_smoothing=o.prefix_smoothing, kl_temperature=o.kl_temperature)
         # DeepSpeed averages gradients over ranks: multiply by world to keep a global sum / global weight
         engine.backward(loss_sum * (world.size / global_weight).to(loss_sum.dtype), scale_wrt_gas=False)
         last = i == len(mbs) - 1
@@ -269,6 +276,9 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     engine, scheduler = build_engine(drafter, recipe, plan.total)
     engine.module.attach_target(target_model)
     kernels = step_kernels(recipe, world.device, head_rows(engine.module))
+    kernels = replace(kernels, forward=compiled_step.resolve(recipe.objective.training_forward, engine.module, recipe,
+                                                             attention=kernels.attention, device=world.device,
+                                                             total_steps=plan.total))
     engine.module.use_fused_ops(kernels.layers == "compiled")
 
     state = {"step": 0, "tokens": 0, "positions": 0, "history": []}
@@ -383,6 +393,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             "holdout_rows": len(held), "train_rows": len(train_rows), "world_size": world.size,
             # what ran: attention, the LM head's epilogue, the layers' fused ops, any compiled part that fell back
             "kernels": {"attention": kernels.attention, "head": kernels.head, "layers": kernels.layers,
+                        "forward": kernels.forward,
                         "logits_chunk": kernels.logits_chunk, "fallbacks": dict(compiled.fallbacks)},
             # the dtypes that ran and the layer that set each (`auto: this CPU has avx512_bf16`)
             "dtypes": dtype_fields(resolved),

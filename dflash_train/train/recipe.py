@@ -198,6 +198,9 @@ class ObjectiveConfig(_Section):
     # the draft layers' RMSNorm, SwiGLU and RoPE; auto: fused compiled kernels on a CUDA GPU below ZeRO-3,
     # eager otherwise (model/fused_ops.py)
     layer_kernels: Literal["auto", "eager", "compiled"] = "auto"
+    # the training forward and its backward as one compiled graph over micro-batches of changing sizes
+    # (train/compiled_step.py); auto: compiled on a CPU for runs long enough to pay for its compiles, eager otherwise
+    training_forward: Literal["auto", "eager", "compiled"] = "auto"
 
     @model_validator(mode="after")
     def _smoothing_needs_weighting(self) -> ObjectiveConfig:

@@ -335,9 +335,25 @@ def test_a_run_with_compiled_kernels_trains_the_eager_runs_weights(reference_run
     assert max(float((fused[k] - eager[k]).abs().max()) for k in eager) < 1e-4
     a, b = (json.loads((r / "summary.json").read_text()) for r in (ref, out))
     assert abs(a["val_loss"] - b["val_loss"]) < 1e-4 * a["val_loss"] and a["val_accept_len"] == b["val_accept_len"]
-    assert a["kernels"] == {"attention": "split", "head": "eager", "layers": "eager", "logits_chunk": 64,
-                            "fallbacks": {}}  # auto on CPU
+    assert a["kernels"] == {"attention": "split", "head": "eager", "layers": "eager", "forward": "eager",
+                            "logits_chunk": 64, "fallbacks": {}}  # auto on CPU, a short run
     assert b["kernels"]["head"] == b["kernels"]["layers"] == "compiled" and b["kernels"]["fallbacks"] == {}
+
+
+def test_a_run_with_the_compiled_training_forward_trains_the_eager_runs_weights(reference_run, tmp_path):
+    """objective.training_forward compiled (auto's pick for long CPU runs) through the real command: one graph
+    for the forward and backward of micro-batches of changing sizes (train/compiled_step.py), the same losses,
+    held-out check and weights as the eager run, and nothing fell back to eager."""
+    recipe, ref = reference_run
+    out = tmp_path / "graph"
+    res = _train(["--config", recipe, "--output", out, "--set", "objective.training_forward=compiled"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    eager, graph = _weights(ref / "final"), _weights(out / "final")
+    assert max(float((graph[k] - eager[k]).abs().max()) for k in eager) < 1e-4
+    a, b = (json.loads((r / "summary.json").read_text()) for r in (ref, out))
+    assert abs(a["train_loss"] - b["train_loss"]) < 1e-4 * a["train_loss"]
+    assert abs(a["val_loss"] - b["val_loss"]) < 1e-4 * a["val_loss"] and a["val_accept_len"] == b["val_accept_len"]
+    assert b["kernels"]["forward"] == "compiled" and b["kernels"]["fallbacks"] == {}
 
 
 class _EngineOnMeta:

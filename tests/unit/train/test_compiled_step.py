@@ -1,0 +1,144 @@
+"""The training forward as one compiled graph (train/compiled_step.py): the eager step's loss, gradients and
+statistics, one graph (or the few Inductor splits off) over micro-batches of changing sizes, and when it runs."""
+
+import pytest
+import torch
+
+from dflash_train.errors import ConfigError
+from dflash_train.model.init import reduce_drafter_vocab
+from dflash_train.model.row_buckets import rows
+from dflash_train.train import compiled_step
+from dflash_train.train.batches import build_microbatch, microbatch_loss
+from dflash_train.train.recipe import load_recipe
+from tests.unit.train.test_batches import V, random_docs, tiny_model
+
+
+def _reduced(base):
+    """`base` with a 120-id draft vocabulary: about 60% of the labels fall outside it."""
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[torch.randperm(V, generator=torch.Generator().manual_seed(4))[:120]] = 1
+    model = reduce_drafter_vocab(base, counts, 120, base._target_lm_head)
+    model.attach_target_weights(base._target_embed, base._target_lm_head)
+    return model
+
+
+def _with_topk(docs, k=6, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    for d in docs:
+        d.target_topk_ids = torch.randint(0, V - 1, (len(d), k), generator=g).int()
+        d.target_topk_logp = torch.log_softmax(torch.randn(len(d), k, generator=g) * 2, -1).sort(-1, True)[0]
+    return docs
+
+
+def _batch(lengths, seed=0, anchors=6, block_size=4):
+    docs = _with_topk(random_docs(lengths, seed=seed), seed=seed + 3)
+    return build_microbatch(docs, list(range(len(docs))), block_size=block_size, anchors_per_document=anchors,
+                            labels="greedy", seed=seed, epoch=0)
+
+
+def _step(model, fn):
+    model.zero_grad()
+    loss, stats = fn()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), grads, stats
+
+
+def _assert_same_step(a, b, rtol):
+    assert b[0] == pytest.approx(a[0], rel=rtol)
+    assert a[1].keys() == b[1].keys() and a[1]
+    for name, g in a[1].items():
+        torch.testing.assert_close(b[1][name], g, rtol=rtol, atol=rtol * max(1e-6, float(g.abs().max())), msg=name)
+    for field in ("correct", "valid", "accept_weighted", "block_weight", "weight_sum"):
+        torch.testing.assert_close(getattr(b[2], field), getattr(a[2], field), msg=field)
+    torch.testing.assert_close(b[2].loss_sum, a[2].loss_sum, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("loss,prefix,reduced", [("ce", False, False), ("ce", True, True), ("kl", True, False),
+                                                 ("kl", False, True)])
+def test_the_padded_forward_is_the_eager_steps(loss, prefix, reduced):
+    """Laid out per predicted slot and padded (blocks to a row bucket, weight 0; tokens to a row bucket, never
+    attended; the grid's runs 4 blocks long), the forward gives the eager step's loss, every gradient and
+    the same statistics (argmax, acceptance), in fp32: ce and kl, with and without prefix weighting, with a
+    reduced vocabulary (labels outside it weigh nothing and stop the prefix)."""
+    model = _reduced(tiny_model(layers=2)) if reduced else tiny_model(layers=2)
+    mb = _batch([40, 31, 52, 9], anchors=5)
+    assert rows(mb.anchors.numel()) > mb.anchors.numel()  # padded blocks are part of this check
+    # a run holds 4 blocks here: documents of 5 blocks take two runs of the grid
+    mb.layout.chunk_blocks = 4
+    eager = _step(model, lambda: microbatch_loss(model, mb, loss=loss, chunk=16, prefix_weighting=prefix))
+    padded = _step(model, lambda: compiled_step.microbatch_loss(model, mb, loss=loss, prefix_weighting=prefix,
+                                                                compile=False))
+    _assert_same_step(eager, padded, rtol=2e-5)
+    assert mb.layout.grid is None  # the micro-batch's own layout is left as it was
+
+
+def test_padding_blocks_and_tokens_changes_nothing_the_real_blocks_see():
+    """The padded layout: the added blocks are anchored at 0 (no context before them) and sit in runs of their
+    own; the added tokens are never attended; every real block sees the context it saw before."""
+    mb = _batch([40, 31, 52], anchors=7)
+    n, t = mb.anchors.numel(), mb.layout.ctx_positions.numel()
+    features = torch.randn(t, 8)
+    padded, feats = compiled_step.padded_layout(mb.layout, features, n + 5, None)
+    assert feats.shape == (rows(t), 8) and torch.equal(feats[:t], features) and not feats[t:].any()
+    grid = padded.grid
+    assert grid.per_run == mb.layout.chunk_blocks and grid.runs % 4 == 0 and grid.runs >= compiled_step.MIN_RUNS
+    assert grid.ctx_ok.shape[0] == n + 5 and not grid.ctx_ok[n:].any()  # added blocks: no context at all
+    # each real block's visible context, by packed position, is the unpadded layout's
+    seen = torch.zeros(n, t, dtype=torch.bool)
+    run_of = grid.rows // grid.per_run
+    for i in range(n):
+        cols = grid.ctx_index[run_of[i]][grid.ctx_ok[i, 0, 0]]
+        seen[i, cols] = True
+    torch.testing.assert_close(seen, mb.layout.context_allowed(None)[:, 0, 0])
+    assert len(set(grid.rows.tolist())) == n + 5  # every block its own row of the grid
+
+
+def test_one_graph_serves_micro_batches_of_changing_sizes_and_computes_the_eager_step():
+    """Compiled (Inductor, bf16 autocast as the CPU demo runs it): micro-batches of other documents, block counts
+    and token counts reuse the graph (at most the one more that an Inductor size threshold splits off), and each
+    step's loss and gradients are the eager step's to bf16 rounding."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model(layers=1)
+    batches = [_batch(lengths, seed=i, anchors=a) for i, (lengths, a) in
+               enumerate([([40, 31, 52], 6), ([60, 23], 9), ([33, 35, 30, 41, 20], 5), ([70, 44, 18], 8)])]
+    assert len({(mb.anchors.numel(), mb.packed.input_ids.numel()) for mb in batches}) == 4
+    for mb in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            eager = _step(model, lambda: microbatch_loss(model, mb, loss="kl", chunk=64, prefix_weighting=True))
+            graph = _step(model, lambda: compiled_step.microbatch_loss(model, mb, loss="kl", prefix_weighting=True))
+        _assert_same_step(eager, graph, rtol=3e-2)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
+    from dflash_train import compiled
+
+    assert "training forward" not in compiled.fallbacks
+
+
+def _recipe(**objective):
+    return load_recipe(None, base={"data": {"prepared": "rows"}, "objective": {"attention": "split", **objective}}).recipe
+
+
+def test_auto_compiles_long_cpu_runs_that_it_can_take():
+    model = tiny_model(layers=1)
+    r = _recipe(prefix_weighting=True)
+    many, few = compiled_step.AUTO_MIN_STEPS, compiled_step.AUTO_MIN_STEPS - 1
+    assert compiled_step.resolve("auto", model, r, attention="split", device="cpu", total_steps=many) == "compiled"
+    assert compiled_step.resolve("auto", model, r, attention="split", device="cpu", total_steps=few) == "eager"
+    assert compiled_step.resolve("auto", model, r, attention="flex", device="cuda", total_steps=many) == "eager"
+    assert compiled_step.resolve("eager", model, r, attention="split", device="cpu", total_steps=many) == "eager"
+    assert compiled_step.resolve("compiled", model, r, attention="split", device="cpu", total_steps=3) == "compiled"
+    weighted = _recipe(prefix_weighting="expected_length")
+    assert compiled_step.resolve("auto", model, weighted, attention="split", device="cpu", total_steps=many) == "eager"
+
+
+@pytest.mark.parametrize("objective,attention,match", [({"prefix_weighting": "expected_length"}, "split",
+                                                         "prefix_weighting is expected_length"),
+                                                        ({}, "dense", "attention is dense")])
+def test_compiled_where_it_cannot_run_is_refused_by_name(objective, attention, match):
+    model = tiny_model(layers=1)
+    with pytest.raises(ConfigError, match=f"objective.training_forward: compiled cannot run.*{match}.*eager"):
+        compiled_step.resolve("compiled", model, _recipe(**objective), attention=attention, device="cpu",
+                              total_steps=10)

@@ -43,10 +43,9 @@ shape: before 2026-12-05) and at `model/row_buckets.py`'s 8 sizes an octave. Wit
 bf16 instructions) the two variants run the same matmuls.
 
 `--compiled-step` compares the same step on eight documents of a micro-batch size that changes every step
-(`--steps` sizes of 880-1,024 tokens), eager and under `torch.compile(dynamic=True)` (forward and backward, no
-optimizer step): two passes over the sizes; the step time is the second pass's, the first pass's seconds (each new
-size compiles: the micro-batch's sizes are specialised) are printed beside it. Measured on AMX cores: the compiled
-step 0.6x, ~30-45 s of compiling a size (docs/results/2026-12-05-drafter-quality-round-26.md).
+(`--steps` sizes of 880-1,024 tokens), eager and as one compiled graph (`objective.training_forward: compiled`,
+train/compiled_step.py; forward and backward, no optimizer step): two passes over the sizes; the step time is the
+second pass's, the first pass's seconds (the compiles) are printed beside it.
 
 Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]
        python bench/bench_train_step.py --layers [--steps 10] [--rounds 3]
@@ -197,7 +196,7 @@ SPLIT_GRID = {"split-runs": 0, "split-grid": None}
 ROW_BUCKETS = {"row-buckets-off": False, "row-buckets-on": True}
 DEMO_DOCS = replace(SMOLLM2, vocab=4096, block=4, anchors=256, documents=8)
 # --compiled-step: the recipe's step on eight documents whose size changes every step, eager and with the forward and
-# backward under torch.compile (a probe: the trainer does not compile its step)
+# backward as one compiled graph (objective.training_forward: compiled)
 COMPILED_STEP = {"step-eager": False, "step-compiled": True}
 # --optimizer: the recipe's step with its optimizer step after the backward: AdamW (the recipe), or Muon for the
 # layers' matrices and fc at 5 and 3 Newton-Schulz iterations a step (`optim.algorithm: muon`,
@@ -297,8 +296,12 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     if name in COMPILED_STEP:  # `steps` sizes of eight documents; a first pass over them (compiles), then the timed one
         sizes = [8 * (t // 8) for t in changing_sizes(steps)]  # eight documents of equal length
         batches = [build_batch(replace(DEMO_DOCS, tokens=t, anchors=8 * (t // 32))) for t in sizes]
-        if COMPILED_STEP[name]:
-            recipe_loss = torch.compile(recipe_loss, dynamic=True)
+        if COMPILED_STEP[name]:  # objective.training_forward: compiled (train/compiled_step.py)
+            from dflash_train.train import compiled_step
+
+            def recipe_loss(model, mb):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+                    return compiled_step.microbatch_loss(model, mb, prefix_weighting=prefix)[0]
         t0 = time.perf_counter()
         for b in batches:
             (recipe_loss(model, b) / b.weight_sum).backward()

@@ -64,6 +64,14 @@ def cpu_bf16_instructions() -> list[str]:
     return cpu_facts(info.read_text(errors="replace"))["bf16_instructions"] if info.is_file() else []
 
 
+def cpu_amx(bf16_instructions: list[str] | None = None, isa_cap: str | None = None) -> bool:
+    """Whether this CPU's bf16 matmuls run on AMX tiles: it has amx_bf16 and $ONEDNN_MAX_CPU_ISA (or `isa_cap`)
+    does not keep oneDNN below them."""
+    flags = cpu_bf16_instructions() if bf16_instructions is None else bf16_instructions
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA", "") if isa_cap is None else isa_cap).upper()
+    return "amx_bf16" in flags and (not cap or "AMX" in cap or cap in ("ALL", "DEFAULT"))
+
+
 def auto_dtype(device, bf16_instructions: list[str] | None = None, isa_cap: str | None = None) -> tuple[str, str]:
     """(dtype, why) for `auto`: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX),
     float32 on the others, where bf16 matmuls are emulated: on 2 AVX2-only cores the demo's bf16

@@ -57,10 +57,12 @@ def ineligible(model: DFlashDraftModel, *, attention: str, prefix_weighting: boo
 
 
 def resolve(choice: str, model: DFlashDraftModel, recipe, *, attention: str, device: torch.device | str,
-            total_steps: int) -> str:
-    """`objective.training_forward` for this run: eager or compiled. auto: compiled on a CPU for runs of at least
-    `AUTO_MIN_STEPS` steps that it can take (`ineligible`), eager on a GPU (unmeasured there) and for short runs
-    (tests, smoke runs), whose steps would not pay back the compiles. `compiled` where it cannot run is refused.
+            total_steps: int, amx: bool | None = None) -> str:
+    """`objective.training_forward` for this run: eager or compiled. auto: compiled where it was measured faster, a
+    bf16-mixed step on a CPU with AMX (`machine.cpu_amx`, or `amx`), for runs of at least `AUTO_MIN_STEPS` steps
+    that it can take (`ineligible`); eager elsewhere: an fp32 step (no faster compiled on AVX2: 290 against 293 ms,
+    with ~80 s of compiles), a CPU with AVX512-BF16 but no AMX and a GPU (unmeasured), and short runs (tests, smoke
+    runs), whose steps would not pay back the compiles. `compiled` where it cannot run is refused.
     attention: the resolved `objective.attention`."""
     why = ineligible(model, attention=attention, prefix_weighting=recipe.objective.prefix_weighting,
                      zero_stage=recipe.engine.zero_stage)
@@ -69,8 +71,12 @@ def resolve(choice: str, model: DFlashDraftModel, recipe, *, attention: str, dev
                           "set objective.training_forward: eager (or auto)")
     if choice != "auto":
         return choice
-    cpu = torch.device(device).type == "cpu"
-    return "compiled" if cpu and not why and total_steps >= AUTO_MIN_STEPS else "eager"
+    if torch.device(device).type != "cpu" or recipe.engine.precision != "bf16-mixed" or why \
+            or total_steps < AUTO_MIN_STEPS:
+        return "eager"
+    from dflash_train.machine import cpu_amx
+
+    return "compiled" if (cpu_amx() if amx is None else amx) else "eager"
 
 
 def forward_loss(model: DFlashDraftModel, features: torch.Tensor, block_ids: torch.Tensor, layout,

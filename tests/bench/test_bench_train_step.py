@@ -114,12 +114,13 @@ def test_the_row_bucket_variants_compute_the_same_step():
 
 @pytest.mark.slow  # ~1-2 min: Inductor compiles the step's graphs on the CPU
 def test_the_compiled_step_variant_computes_the_eager_step():
-    """--compiled-step: the step under torch.compile gives the eager step's loss and gradient (bf16-mixed rounding
-    apart) on the same micro-batch, compiled graphs where the eager variant has none, and the first pass (the
-    compiles) is reported apart from the timed steps."""
+    """--compiled-step: the step as one compiled graph (objective.training_forward: compiled) gives the eager step's
+    loss and gradient (bf16-mixed rounding apart) on the same micro-batch, with at most two graphs over micro-batches
+    of three sizes where the eager variant has none, and the first pass (the compiles) is reported apart from the
+    timed steps."""
     eager, fused = _variant_rows("step-eager", "step-compiled")
     assert eager["loss"] == pytest.approx(fused["loss"], rel=1e-3)
     assert max(abs(x - y) for x, y in zip(eager["fc_grad"], fused["fc_grad"], strict=True)) < 2e-2 * max(
         abs(x) for x in eager["fc_grad"])
-    assert eager["graphs"] == 0 < fused["graphs"]
+    assert eager["graphs"] == 0 < fused["graphs"] <= 2
     assert fused["first_pass_s"] > fused["step_s"] > 0 and eager["first_pass_s"] > 0

@@ -167,8 +167,9 @@ def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_wei
     labels = per_slot(labels_m.clamp(min=0))
     weights, labelled, keep = per_slot(w_m.float()), per_slot(torch.ones_like(keep_m), False), per_slot(keep_m, False)
     layout, features = padded_layout(mb.layout, mb.packed.features, n_pad, model.layers[0].self_attn.window)
+    layout = layout.to(device)  # the layout itself on a CPU
     block_ids = model.block_ids(torch.cat([mb.packed.input_ids[mb.anchors], mb.anchors.new_zeros(n_pad - n)]))
-    args = (model, to_device(features, device), to_device(block_ids[:, :width], device), layout.to(device), labels,
+    args = (model, to_device(features, device), to_device(block_ids[:, :width], device), layout, labels,
             weights, labelled, keep, target_ids, target_p, loss, bool(prefix_weighting), float(prefix_smoothing or 0.0))
     if compile:
         _symbolic(layout)

@@ -3,6 +3,7 @@ statistics, one graph (or the few Inductor splits off) over micro-batches of cha
 
 import pytest
 import torch
+from test_batches import V, random_docs, tiny_model
 
 from dflash_train.errors import ConfigError
 from dflash_train.model.init import reduce_drafter_vocab
@@ -10,7 +11,6 @@ from dflash_train.model.row_buckets import rows
 from dflash_train.train import compiled_step
 from dflash_train.train.batches import build_microbatch, microbatch_loss
 from dflash_train.train.recipe import load_recipe
-from tests.unit.train.test_batches import V, random_docs, tiny_model
 
 
 def _reduced(base):

@@ -361,8 +361,8 @@ def main() -> None:
                     help="compare the demo recipe's step on micro-batches of changing sizes with CPU half-precision "
                          "matmuls at their own row counts and at model/row_buckets.py's")
     ap.add_argument("--compiled-step", action="store_true",
-                    help="compare the demo recipe's step on micro-batches of changing sizes eager and under "
-                         "torch.compile (dynamic shapes)")
+                    help="compare the demo recipe's step on micro-batches of changing sizes eager and as one "
+                         "compiled graph (objective.training_forward: compiled)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="--layers, --anchor-slot, --kernels, --optimizer, --split-grid, --row-buckets: turns of "
                          "every variant")

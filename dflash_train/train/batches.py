@@ -210,6 +210,26 @@ def microbatch_loss(model: DFlashDraftModel, mb: MicroBatch, *, loss: str = "ce"
                                  to_device(mb.block_weight, device))
 
 
+def slot_targets(model: DFlashDraftModel, mb: MicroBatch, index: torch.Tensor, *, loss: str,
+                 kl_temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    """What the labelled slots (flat positions `index` of [N, B], on the model's device) are scored against:
+    (labels [M] as draft ids, IGNORE where a reduced vocabulary lacks them; slot weights [M]; scored [M] bool;
+    kl: the teacher (ids [M, k], p [M, k]) of `topk_soft_targets`, else None)."""
+    device = index.device
+    labels = model.target_to_draft(to_device(mb.labels, device).flatten().index_select(0, index))
+    keep = labels != IGNORE  # reduced vocab: labels outside it cannot be scored
+    w = to_device(mb.weights, device).flatten().index_select(0, index)
+    target = None
+    if loss == "kl":
+        if mb.target_topk is None:
+            raise ValueError("loss kl needs documents with the target's top-k (DocumentSource(topk=k))")
+        ids, logp = (to_device(t, device) for t in mb.target_topk)
+        # kl scores a slot whose label the reduced vocab lacks when some of its top-k ids are in it
+        tids, p, keep = topk_soft_targets(model.target_to_draft(ids.long()), logp, labels, kl_temperature)
+        target = (tids, p)
+    return labels, w, keep, target
+
+
 def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch.Tensor | None = None, *,
                            loss: str = "ce", attention: str = "split",
                            chunk: int | None = 1024, head: str = "eager",
@@ -236,17 +256,7 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
     hidden = model.forward_train(to_device(mb.packed.features, device), embeds, layout, attention=attention,
                                  anchor_slot=False)
     width = mb.labels.shape[1]
-    labels = model.target_to_draft(to_device(mb.labels, device).flatten().index_select(0, index))
-    keep = labels != IGNORE  # reduced vocab: labels outside it cannot be scored
-    w = to_device(mb.weights, device).flatten().index_select(0, index)
-    target = None
-    if loss == "kl":
-        if mb.target_topk is None:
-            raise ValueError("loss kl needs documents with the target's top-k (DocumentSource(topk=k))")
-        ids, logp = (to_device(t, device) for t in mb.target_topk)
-        # kl scores a slot whose label the reduced vocab lacks when some of its top-k ids are in it
-        tids, p, keep = topk_soft_targets(model.target_to_draft(ids.long()), logp, labels, kl_temperature)
-        target = (tids, p)
+    labels, w, keep, target = slot_targets(model, mb, index, loss=loss, kl_temperature=kl_temperature)
     with full_head_weight(model) as weight:
         rows = hidden.flatten(0, 1).index_select(0, index - index // width - 1)  # block n, slot k: n(B-1) + k-1
         reweight = None

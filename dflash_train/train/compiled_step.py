@@ -13,7 +13,9 @@ graph only tensors whose sizes it may keep symbolic:
 - the head scores every predicted slot of every block, the slots without a label (or whose label a reduced
   vocabulary lacks) weighted 0, instead of the labelled slots a host index picks: a plain [N, B - 1, V] product
   whose gradient autograd takes (no chunk loop; on a CPU the whole micro-batch's logits are a few MB);
-- the matmuls keep their row counts inside the graph (`row_buckets.compiles_per_shape`).
+- the packed tokens and the blocks are padded to `row_buckets.rows` on the host (`padded_layout`), so that the
+  graph's half-precision matmuls meet a few shapes (oneDNN builds a kernel per shape, inside a graph as outside),
+  and row bucketing is off inside the graph (`row_buckets.compiles_per_shape`), whose padding would pin a size.
 
 So one graph serves a run's micro-batches (the packed tokens, the blocks, the runs and their span symbolic), plus
 the few that Inductor's own size thresholds split off. The loss, its gradient and the argmax are those of the
@@ -32,9 +34,9 @@ from dflash_train.errors import ConfigError
 from dflash_train.model import row_buckets
 from dflash_train.model.modeling_dflash import DFlashDraftModel
 from dflash_train.model.train_layout import TrainLayout, train_layout
-from dflash_train.train.anchors import IGNORE
+from dflash_train.train import batches
 from dflash_train.train.head_epilogue import EXP_FLOOR
-from dflash_train.train.loss import BlockStats, block_stats, topk_soft_targets
+from dflash_train.train.loss import BlockStats, block_stats
 
 KNOB = "objective.training_forward compiled"
 MIN_RUNS = 2  # the grid's runs are padded to at least this many: a dimension of size 1 is specialised
@@ -140,25 +142,21 @@ def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_wei
     reference the tests hold the graph to). The micro-batch's host tensors are laid out per predicted slot here."""
     device = model.fc.weight.device
     n, width = mb.labels.shape
-    if n == 0:
-        zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-        return zero, BlockStats.zeros(model.config.block_size, device)
-    index = mb.valid.flatten().nonzero().squeeze(1)  # host: the labelled slots' flat positions in [N, width]
+    if n == 0:  # no supervised pair: the eager step's zero with a graph
+        return batches.microbatch_loss(model, mb)
+    host_index = mb.valid.flatten().nonzero().squeeze(1)  # the labelled slots' flat positions in [N, width]
+    index = to_device(host_index, device)
     n_pad = row_buckets.rows(n)  # blocks added (weight 0) so that the matmuls meet a few row counts
     slots = n_pad * (width - 1)
-    slot_rows = to_device(index - index // width - 1, device)  # their predicted slots in [N, width - 1], flat
-    labels_m = model.target_to_draft(to_device(mb.labels, device).flatten().index_select(0, to_device(index, device)))
-    keep_m = labels_m != IGNORE
+    slot_rows = to_device(host_index - host_index // width - 1, device)  # their predicted slots in [N, width - 1]
+    labels_m, w_m, keep_m, target = batches.slot_targets(model, mb, index, loss=loss, kl_temperature=kl_temperature)
+    w_m = w_m * keep_m
     target_ids = target_p = None
-    if loss == "kl":
-        if mb.target_topk is None:
-            raise ValueError("loss kl needs documents with the target's top-k (DocumentSource(topk=k))")
-        ids, logp = (to_device(t, device) for t in mb.target_topk)
-        tids, p, keep_m = topk_soft_targets(model.target_to_draft(ids.long()), logp, labels_m, kl_temperature)
+    if target is not None:
+        tids, p = target
         k = tids.shape[1]
         target_ids = tids.new_zeros(slots, k).index_copy(0, slot_rows, tids).view(n_pad, width - 1, k)
         target_p = p.new_zeros(slots, k).index_copy(0, slot_rows, p).view(n_pad, width - 1, k)
-    w_m = to_device(mb.weights, device).flatten().index_select(0, to_device(index, device)) * keep_m
 
     def per_slot(values: torch.Tensor, fill=0) -> torch.Tensor:
         return torch.full((slots,), fill, dtype=values.dtype, device=device).index_copy(0, slot_rows, values).view(
@@ -179,5 +177,5 @@ def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_wei
         loss_sum, preds = forward_loss(*args)
     preds_m = model.draft_to_target(preds.flatten().index_select(0, slot_rows))  # the labelled slots' argmax, row-major
     return loss_sum, block_stats(loss_sum, to_device(mb.labels, device), to_device(mb.weights, device), preds_m,
-                                 to_device(index, device), to_device(mb.block_weight, device))
+                                 index, to_device(mb.block_weight, device))
 

@@ -199,7 +199,8 @@ class ObjectiveConfig(_Section):
     # eager otherwise (model/fused_ops.py)
     layer_kernels: Literal["auto", "eager", "compiled"] = "auto"
     # the training forward and its backward as one compiled graph over micro-batches of changing sizes
-    # (train/compiled_step.py); auto: compiled on a CPU for runs long enough to pay for its compiles, eager otherwise
+    # (train/compiled_step.py); auto: compiled where measured faster (bf16-mixed on CPUs with AMX, runs of 1,000+
+    # steps, which pay for its compiles), eager otherwise
     training_forward: Literal["auto", "eager", "compiled"] = "auto"
 
     @model_validator(mode="after")

@@ -22,10 +22,9 @@ from dflash_train.model.checks import check_drafter, find_local_target, refusal
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.locate import find_drafter_folder
 from dflash_train.model.stream import CODES, DTYPES, OutTensor, TensorRef, folder_refs, write_streaming
-from dflash_train.model.weights import DEFAULT_MAX_SHARD_BYTES, write_json
+from dflash_train.model.weights import DEFAULT_MAX_SHARD_BYTES, MASK_EMBEDDING_FILE, SGLANG_MASK_NOTE, write_json
 from dflash_train.outputs import folder_output, plan_output
 
-MASK_EMBEDDING_FILE = "mask_embedding.pt"
 # names other writers store beside the drafter; accepted on read and never written
 DROPPABLE = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d", "mask_hidden")
 
@@ -255,6 +254,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, to: str, *, verifier: s
             raise CheckpointError(f"{source.folder}: tensor `{t.name}` has unsupported dtype {t.dtype}")
     files = write_checkpoint(out, to, cfg, tensors, source.folder, max_shard_bytes, overwrite=overwrite,
                              sources=sources)
+    if to == formats.zlab.NAME and MASK_EMBEDDING_FILE in files:
+        notes.append(SGLANG_MASK_NOTE)
     return ConvertResult(Path(out), to, source.folder, source.format, files, dropped, notes)
 
 

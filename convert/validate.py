@@ -31,6 +31,7 @@ from dflash_train.model.checks import (
 from dflash_train.model.formats import schema
 from dflash_train.model.modeling_dflash import expected_shapes
 from dflash_train.model.stream import TensorRef
+from dflash_train.model.weights import MASK_EMBEDDING_FILE, SGLANG_MASK_NOTE
 
 from .rules import RULES
 
@@ -66,6 +67,10 @@ def check_sglang_full_vocab(refs: list[TensorRef]) -> Fail | None:
         return Fail(f"tensor `{sorted(names)[0]}`: a reduced-vocab head; SGLang always borrows the target's LM head "
                     "and cannot serve it (use the speculators format, or to-zlab --expand-vocab)")
     return None
+
+
+def check_sglang_mask_embedding(folder: Path) -> Warn | None:
+    return Warn(SGLANG_MASK_NOTE.replace(" copied along,", "")) if (folder / MASK_EMBEDDING_FILE).is_file() else None
 
 
 def target_checks(report: Report, cfg, target: str | None) -> None:
@@ -140,6 +145,7 @@ def validate_folder(folder: str | Path, target: str | None = None, use_target: b
     structure_checks(report, folder, cfg, refs, expected)
     if module is formats.zlab:
         report.add("sglang_full_vocab", check_sglang_full_vocab(refs))
+        report.add("sglang_mask_embedding", check_sglang_mask_embedding(folder))
     report.add("weights_dtype", check_dtype(refs, cfg))
     if problem is None:
         report.add("finite_weights", check_finite(refs))

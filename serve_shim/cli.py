@@ -7,6 +7,7 @@ the `serve` command when the first argument is not a command name or a help flag
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -70,10 +71,14 @@ def serve(
         argv = vllm_command(drafter, opts, device)
         where = describe(device)
     else:
+        from dflash_train.model.weights import MASK_EMBEDDING_FILE, SGLANG_MASK_NOTE
+
         from .zlab_cache import zlab_location
 
         argv = sglang_command(drafter, zlab_location(drafter, convert=not dry_run), opts)
         where = "SGLang (z-lab format)"
+        if not drafter.is_hub_id and (Path(drafter.location) / MASK_EMBEDDING_FILE).is_file():
+            print(f"dflash-serve: warning: {SGLANG_MASK_NOTE}", file=sys.stderr)
     print(f"dflash-serve: {drafter.found}; block size {drafter.block_size}; {where}", file=sys.stderr)
     if dry_run:
         note = missing_python_note(engine, opts.python)

@@ -3,6 +3,11 @@
 Saved drafters are always in the speculators format (formats.md §3), so `vllm serve DIR`
 takes any of them as is. Loading accepts speculators and z-lab folders; frozen copies of the
 target's embedding / LM head that speculators stores are accepted and dropped.
+
+A drafter with a mask embedding of its own keeps it beside the weights in `mask_embedding.pt`,
+`{"embedding": [H_target], "mask_token_id": id}`: the file vLLM reads and substitutes at
+mask_token_id (its loader refuses any unknown tensor in model.safetensors, so it cannot go there).
+SGLang borrows the target's row and never reads it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,13 @@ from dflash_train.model.checks import all_finite, check_drafter
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.formats import speculators
 from dflash_train.model.modeling_dflash import DFlashDraftModel, expected_shapes
-from dflash_train.model.weights import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_json, write_tensors
+from dflash_train.model.weights import (
+    DEFAULT_MAX_SHARD_BYTES,
+    MASK_EMBEDDING_FILE,
+    read_tensors,
+    write_json,
+    write_tensors,
+)
 from dflash_train.outputs import folder_output
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -65,17 +76,34 @@ def save_drafter(model: DFlashDraftModel, out: str | Path, dtype: str | None = N
         cfg = cfg.model_copy(update={"dtype": dtype})
     torch_dtype = DTYPES[cfg.dtype]
     tensors = {}
-    for name, t in model.state_dict().items():
+    state = model.state_dict()
+    mask = state.pop("mask_embedding", None)
+    for name, t in state.items():
         if not all_finite(t):  # a NaN drafter is never written
             raise CheckpointError(f"{out}: tensor `{name}` holds NaN or inf; refusing to write a broken drafter")
         tensors[name] = t if not t.is_floating_point() else t.to(torch_dtype)
+    if mask is not None and not all_finite(mask):
+        raise CheckpointError(f"{out}: the mask embedding holds NaN or inf; refusing to write a broken drafter")
     need = sum(t.numel() * t.element_size() for t in tensors.values())
     with folder_output(out, flag, command, sources=sources, own=own, overwrite=overwrite, need_bytes=need) as tmp:
         write_tensors(tmp, tensors, max_shard_bytes=max_shard_bytes)
+        if mask is not None:
+            torch.save({"embedding": mask.detach().to("cpu", torch_dtype).clone(), "mask_token_id": cfg.mask_token_id},
+                       tmp / MASK_EMBEDDING_FILE)
         write_json(tmp / "config.json", speculators.to_config_dict(cfg))
         for name, data in (extra_files or {}).items():
             write_json(tmp / name, data)
     return Path(out)
+
+
+def read_mask_embedding(folder: str | Path) -> torch.Tensor | None:
+    """The drafter's own mask embedding [H_target] from `folder`/mask_embedding.pt (a tensor, or vLLM's
+    `{"embedding": ..., "mask_token_id": ...}`), None without the file. `check_drafter` checked it first."""
+    path = Path(folder) / MASK_EMBEDDING_FILE
+    if not path.is_file():
+        return None
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    return (data["embedding"] if isinstance(data, dict) else data).reshape(-1)
 
 
 def read_drafter_config(folder: str | Path, mask_token_id: int | None = None) -> DFlashConfig:
@@ -98,4 +126,7 @@ def load_drafter(folder: str | Path, target_config=None, dtype: torch.dtype = to
     state = clean_state_dict(read_tensors(folder), cfg, str(folder))
     model = DFlashDraftModel(cfg)
     model.load_state_dict(state, strict=True)
+    mask = read_mask_embedding(folder)
+    if mask is not None:
+        model.learn_mask_embedding(mask)
     return model.to(dtype)

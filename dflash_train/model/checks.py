@@ -18,7 +18,7 @@ import torch
 from dflash_train.errors import CheckpointError, DFlashError
 from dflash_train.model.modeling_dflash import expected_shapes
 from dflash_train.model.stream import TensorRef, read_header
-from dflash_train.model.weights import INDEX_FILE, weight_files
+from dflash_train.model.weights import INDEX_FILE, MASK_EMBEDDING_FILE, weight_files
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def check_finite(refs: list[TensorRef]) -> Fail | None:
 
 
 def check_mask_embedding(folder: Path, cfg) -> Fail | None:
-    path = folder / "mask_embedding.pt"
+    path = folder / MASK_EMBEDDING_FILE
     if not path.is_file():
         return None
     try:

@@ -4,6 +4,7 @@ A stack of Qwen3-style layers reading the target's hidden states (formats.md §1
 
     ctx   = hidden_norm(fc(concat(aux target hidden states)))        # context, never updated
     h     = target_embed([last verified token, MASK x (B-1)])        # one block at p..p+B-1
+            (a drafter with its own `mask_embedding`, vLLM's mask_embedding.pt, puts it at the MASK slots)
     layer: q from the block (after input_layernorm); keys/values = [proj(ctx) ; proj(block)]
            (k_norm over both, RoPE at absolute positions); non-causal inside the block
     logits = lm_head(norm(h))  (the target's LM head, or a reduced-vocab head + d2t)
@@ -21,7 +22,8 @@ Two entry points share every weight and every formula:
   model/train_layout.py's. With
   `activation_checkpointing` set, each layer keeps only its input and recomputes the rest in
   the backward; with `use_fused_ops(True)`, RMSNorm, SwiGLU and RoPE run compiled (model/fused_ops.py).
-Attribute names are the checkpoint tensor names, so state_dict() is the checkpoint.
+Attribute names are the checkpoint tensor names, so state_dict() is the checkpoint (but for
+`mask_embedding`, which checkpoints keep in a file of its own: model/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -355,6 +357,9 @@ class DFlashDraftModel(nn.Module):
         else:
             self.lm_head = None
         self.activation_checkpointing = False  # training memory switch (engine.activation_checkpointing)
+        # the MASK slots' input [H_target] where the drafter has its own (learn_mask_embedding, or a checkpoint's
+        # mask_embedding.pt); None: the target's embedding row of mask_token_id, as every engine reads it
+        self.register_parameter("mask_embedding", None)
         # borrowed from the target, frozen and never saved: kept off the module tree
         self._target_embed: torch.Tensor | None = None
         self._target_lm_head: torch.Tensor | None = None
@@ -381,11 +386,25 @@ class DFlashDraftModel(nn.Module):
         self._target_embed, self._target_lm_head = embed.detach(), lm_head.detach()
         return self
 
+    def learn_mask_embedding(self, init: torch.Tensor) -> nn.Parameter:
+        """Give the MASK slots an input of the drafter's own, trained with it and served by vLLM from
+        mask_embedding.pt; `init` [H_target] is where it starts (the target's row of mask_token_id)."""
+        if init.numel() != self.config.target_hidden_size:
+            raise ValueError(f"a mask embedding needs {self.config.target_hidden_size} values (the target's hidden "
+                             f"size), got {init.numel()}")
+        self.mask_embedding = nn.Parameter(init.detach().reshape(-1).to(self.fc.weight.device, self.fc.weight.dtype,
+                                                                         copy=True))
+        return self.mask_embedding
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self._target_embed is None:
             raise RuntimeError("call attach_target(target_model) before running the drafter")
         w = self._target_embed
-        return F.embedding(token_ids.to(w.device), w).to(self.fc.weight.dtype)
+        out = F.embedding(token_ids.to(w.device), w).to(self.fc.weight.dtype)
+        if self.mask_embedding is None:
+            return out
+        is_mask = (token_ids == self.config.mask_token_id).to(out.device).unsqueeze(-1)
+        return torch.where(is_mask, self.mask_embedding.to(out.device, out.dtype), out)
 
     def block_ids(self, first_tokens: torch.Tensor) -> torch.Tensor:
         """[..., ] last verified tokens -> [..., B] block ids [x, MASK, ..., MASK]."""

@@ -15,6 +15,12 @@ from dflash_train.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MASK_EMBEDDING_FILE = "mask_embedding.pt"  # a drafter's own mask embedding (model/checkpoint.py)
+# vLLM reads that file; what to say where a drafter that has it goes to SGLang (a z-lab copy, `dflash-serve --engine sglang`)
+SGLANG_MASK_NOTE = (f"{MASK_EMBEDDING_FILE} (the drafter's trained mask embedding) copied along, but SGLang borrows the "
+                    "target's embedding row of mask_token_id and never reads it: it serves this drafter with another "
+                    "input at the mask slots than it was trained with (lower acceptance). vLLM reads it: serve the "
+                    "speculators format")
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
 

@@ -1,6 +1,6 @@
 """The drafter a run starts from: new (seeded init, optionally a target layer's weights, a reduced draft
-vocabulary from the training rows' token counts) or a saved one (`drafter.init_from`), with the head
-trained or frozen as the recipe says."""
+vocabulary from the training rows' token counts) or a saved one (`drafter.init_from`), with the head and
+the mask embedding trained or frozen as the recipe says."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer
                              what="drafter.init_from")
         if model.lm_head is not None:
             model.lm_head.weight.requires_grad_(d.train_lm_head)
-        return model
+        return with_mask_embedding(model, d.train_mask_embedding, target_model)
     cfg = drafter_config_for_target(recipe.target, num_layers=d.num_layers, block_size=d.block_size,
                                     mask_token_id=d.mask_token_id, num_features=d.num_features,
                                     target_layer_ids=d.target_layer_ids, intermediate_size=d.intermediate_size,
@@ -46,4 +46,14 @@ def build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer
         model = reduce_drafter_vocab(model, token_counts(), d.draft_vocab_size,
                                      target_model.get_output_embeddings().weight)
         model.lm_head.weight.requires_grad_(d.train_lm_head)
+    return with_mask_embedding(model, d.train_mask_embedding, target_model)
+
+
+def with_mask_embedding(model, train: bool, target_model):
+    """`train`: the drafter's mask embedding trains, starting from the target's row of mask_token_id where
+    the drafter has none yet. A drafter that has one (`init_from`) keeps it, frozen unless `train`."""
+    if train and model.mask_embedding is None:
+        model.learn_mask_embedding(target_model.get_input_embeddings().weight[model.config.mask_token_id].float())
+    if model.mask_embedding is not None:
+        model.mask_embedding.requires_grad_(train)
     return model

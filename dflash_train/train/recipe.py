@@ -120,6 +120,10 @@ class DrafterConfig(_Section):
     # the reduced vocabulary's head starts as the target's rows; train it (true) or keep it frozen
     # like the full-vocabulary head (false, the paper's convention; generalises better on little data)
     train_lm_head: bool = False
+    # the MASK slots' input embedding: the target's row of mask_token_id, frozen (false), or a vector of the
+    # drafter's own that starts there and is trained (true). Saved as mask_embedding.pt beside the weights, which
+    # vLLM reads and substitutes at mask_token_id; SGLang always borrows the target's row (serve with vLLM)
+    train_mask_embedding: bool = False
     # start the draft layers from this target decoder layer (-1: the last) and the final norm from
     # the target's; null: random initialisation
     init_from_target_layer: int | None = None
@@ -310,6 +314,9 @@ class TrainRecipe(_Section):
     def _zero3_head(self):
         # the fused LM head reads its weight outside a module call; ZeRO-3 gathers a frozen head for it
         # (train/batches.full_head_weight), but a trained head's gradient would miss its partitions
+        if self.engine.zero_stage == 3 and self.drafter.train_mask_embedding:
+            raise ValueError("drafter.train_mask_embedding: the mask embedding cannot be trained under "
+                             "engine.zero_stage 3; set engine.zero_stage 2 (or 0/1), or train_mask_embedding: false")
         if self.engine.zero_stage == 3 and self.drafter.train_lm_head and self.drafter.draft_vocab_size:
             raise ValueError("drafter.train_lm_head: a trained reduced-vocabulary head cannot run under "
                              "engine.zero_stage 3; set engine.zero_stage 2 (or 0/1), or train_lm_head: false")

@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 from serve_shim.command import ServeOptions, vllm_command
 from serve_shim.detect import detect_drafter
@@ -113,6 +114,13 @@ def test_sglang_dry_run_names_the_zlab_cache(make_tiny_drafter, tmp_path):
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     assert argv[argv.index("--speculative-draft-model-path") + 1].startswith(str(tmp_path / "cache" / "serve-zlab"))
     assert argv[-2:] == ["--speculative-num-draft-tokens", "8"]
+    assert "mask_embedding.pt" not in done.stderr
+    # a drafter with its own mask embedding: SGLang does not read it, and the launcher says so (vLLM does: no word)
+    torch.save({"embedding": torch.ones(64), "mask_token_id": 100}, folder / "mask_embedding.pt")
+    warned = serve(folder, "--engine", "sglang", "--dry-run", env={"DFLASH_CACHE": str(tmp_path / "cache")})
+    assert warned.returncode == 0, warned.stderr
+    assert "warning: mask_embedding.pt" in warned.stderr and "SGLang borrows the target's" in warned.stderr
+    assert "mask_embedding.pt" not in serve(folder, "--dry-run").stderr
 
 
 def test_stats_reads_metrics_over_http(tmp_path):

@@ -281,3 +281,24 @@ def test_all_finite_finds_every_nan_and_inf(dtype):
             u[index] = bad
             assert not all_finite(u.view_as(t)), (bad, index)
     assert all_finite(torch.tensor([1, 2], dtype=torch.int64)) and all_finite(torch.tensor([True]))
+
+
+def test_a_zlab_copy_of_a_trained_mask_embedding_warns_that_sglang_ignores_it(good, tmp_path):
+    """SGLang borrows the target's mask row and never reads mask_embedding.pt: to-zlab says so as it copies the
+    file, and validate warns on the z-lab folder (it still loads there); the speculators folder, which vLLM serves
+    with the file, gets no warning."""
+    from dflash_train.model.weights import SGLANG_MASK_NOTE
+
+    src = write_drafter(tmp_path / "src")
+    torch.save({"embedding": torch.ones(64), "mask_token_id": 100}, src / "mask_embedding.pt")
+    zlab = convert_checkpoint(src, tmp_path / "zlab", "zlab")
+    spec = convert_checkpoint(src, tmp_path / "spec", "speculators")
+    assert SGLANG_MASK_NOTE in zlab.notes and "mask_embedding.pt" in zlab.files
+    assert SGLANG_MASK_NOTE not in spec.notes and "mask_embedding.pt" in spec.files
+    reports = {name: validate_folder(tmp_path / name) for name in ("zlab", "spec", "src")}
+    assert all(r.ok for r in reports.values()), {n: r.failures() for n, r in reports.items()}
+    warned = {n: {c.check: c.reason for c in r.checks if c.status == "warn"} for n, r in reports.items()}
+    assert "SGLang" in warned["zlab"]["sglang_mask_embedding"] and "vLLM reads it" in warned["zlab"]["sglang_mask_embedding"]
+    assert "sglang_mask_embedding" not in warned["spec"] and "sglang_mask_embedding" not in warned["src"]
+    plain = validate_folder(good / "conv-zlab")
+    assert "sglang_mask_embedding" not in {c.check for c in plain.checks if c.status == "warn"}

@@ -184,3 +184,41 @@ def test_a_nan_drafter_is_refused_on_load(saved):
     save_file(tensors, str(saved / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"--draft {saved}: tensor `hidden_norm.weight` holds NaN or inf"):
         load_drafter(saved, what="--draft")
+
+
+def test_a_drafters_own_mask_embedding_is_written_as_vllm_reads_it_and_reloads(tmp_path, smollm2_drafter, smollm2):
+    """mask_embedding.pt beside the weights, read as vLLM 0.33's `_read_mask_embedding` reads it (torch.load with
+    weights_only, a dict whose mask_token_id must equal the config's, `embedding` reshaped to one row); never a
+    tensor in model.safetensors, whose loader fails on unknown names."""
+    import io
+
+    model = new_drafter_for_target(None, num_layers=1, block_size=4, num_features=5, seed=5)
+    row = smollm2[0].get_input_embeddings().weight[16].detach().float()
+    model.learn_mask_embedding(row + 0.25)
+    out = save_drafter(model, tmp_path / "drafter")  # the config's dtype: bfloat16
+    assert "mask_embedding" not in load_file(str(out / "model.safetensors"))
+    state = torch.load(io.BytesIO((out / "mask_embedding.pt").read_bytes()), weights_only=True)
+    cfg = json.loads((out / "config.json").read_text())
+    assert set(state) == {"embedding", "mask_token_id"} and state["mask_token_id"] == cfg["mask_token_id"] == 16
+    assert state["embedding"].dtype == torch.bfloat16 and state["embedding"].reshape(-1).shape == (576,)
+    torch.testing.assert_close(state["embedding"].float(), row + 0.25, rtol=1e-2, atol=1e-2)
+    again = load_drafter(out, target_config=smollm2[0].config)
+    assert torch.equal(again.mask_embedding.detach(), state["embedding"].float())
+    # a bare tensor (the other form vLLM takes) loads too; a drafter without the file has none
+    torch.save(torch.ones(1, 576), out / "mask_embedding.pt")
+    assert torch.equal(load_drafter(out).mask_embedding.detach(), torch.ones(576))
+    assert load_drafter(save_drafter(smollm2_drafter, tmp_path / "plain")).mask_embedding is None
+    assert not (tmp_path / "plain" / "mask_embedding.pt").exists()
+
+
+def test_a_broken_mask_embedding_is_never_written_nor_loaded(tmp_path):
+    model = new_drafter_for_target(None, num_layers=1, block_size=4, num_features=5, seed=5)
+    model.learn_mask_embedding(torch.full((576,), float("nan")))
+    with pytest.raises(CheckpointError, match="mask embedding holds NaN"):
+        save_drafter(model, tmp_path / "nan")
+    assert not (tmp_path / "nan").exists()
+    model.learn_mask_embedding(torch.zeros(576))
+    out = save_drafter(model, tmp_path / "drafter")
+    torch.save({"embedding": torch.zeros(576), "mask_token_id": 3}, out / "mask_embedding.pt")
+    with pytest.raises(CheckpointError, match="mask_token_id 3 != config `mask_token_id` 16"):
+        load_drafter(out)

@@ -293,3 +293,36 @@ def test_dropout_acts_in_training_mode_only_and_recomputes_the_same_masks_under_
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_mask_embedding_of_its_own_feeds_the_mask_slots_only_and_learns_from_them(tiny_config):
+    """drafter.train_mask_embedding: the MASK slots take the drafter's vector (vLLM's mask_embedding.pt), the
+    anchor slot keeps the target's row; started at the target's row it changes nothing; its gradient is the sum of
+    the mask slots' input gradients."""
+    model = _model(tiny_config)
+    feats, ids, doc_start, positions = _packed(tiny_config, [24])
+    anchors = [5, 11]
+    before = torch.stack([_inference_hidden(model, feats, ids, doc_start, positions, a) for a in anchors])
+    assert model.mask_embedding is None and "mask_embedding" not in model.state_dict()
+    model.learn_mask_embedding(model._target_embed[tiny_config.mask_token_id])
+    same = torch.stack([_inference_hidden(model, feats, ids, doc_start, positions, a) for a in anchors])
+    torch.testing.assert_close(same, before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="64 values"):
+        model.learn_mask_embedding(torch.zeros(63))
+
+    with torch.no_grad():
+        model.mask_embedding.copy_(torch.randn(tiny_config.target_hidden_size))
+    block = model.block_ids(ids[torch.tensor(anchors)])
+    embeds = model.embed(block)
+    torch.testing.assert_close(embeds[:, 0], model._target_embed[ids[torch.tensor(anchors)]], rtol=0, atol=0)
+    torch.testing.assert_close(embeds[:, 1:], model.mask_embedding.detach().expand(2, tiny_config.block_size - 1, -1),
+                               rtol=0, atol=0)
+    moved = torch.stack([_inference_hidden(model, feats, ids, doc_start, positions, a) for a in anchors])
+    assert (moved - before).abs().max() > 1e-2
+
+    # the gradient: what reaches the mask slots' inputs, summed over them
+    leaf = embeds.detach().requires_grad_(True)
+    weights = torch.randn_like(leaf)
+    (leaf * weights).sum().backward()
+    (model.embed(block) * weights).sum().backward()
+    torch.testing.assert_close(model.mask_embedding.grad, leaf.grad[:, 1:].sum((0, 1)), rtol=1e-6, atol=1e-6)

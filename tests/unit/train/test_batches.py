@@ -406,6 +406,10 @@ def test_a_trained_reduced_head_under_zero3_is_refused_by_the_recipe():
     with pytest.raises(ConfigError, match="train_lm_head.*zero_stage 2"):
         load_recipe(None, base={"data": {"prepared": "rows"}, "engine": {"zero_stage": 3},
                                 "drafter": {"draft_vocab_size": 64, "train_lm_head": True}})
+    # the drafter's embeds are read outside a module's forward, where ZeRO-3 would hand them over partitioned
+    with pytest.raises(ConfigError, match="train_mask_embedding.*zero_stage 2"):
+        load_recipe(None, base={"data": {"prepared": "rows"}, "engine": {"zero_stage": 3},
+                                "drafter": {"train_mask_embedding": True}})
 
 
 @pytest.mark.parametrize("autocast,frozen_head,kind", [(False, True, True), (True, True, True), (False, False, True),

@@ -164,6 +164,42 @@ def test_a_muon_run_trains_otherwise_and_resumes_bit_identical(reference_run, tm
 
 
 @pytest.mark.slow
+def test_a_trained_mask_embedding_starts_at_the_targets_row_and_resumes_bit_identical(reference_run, tmp_path,
+                                                                                      train_tiny_target):
+    """drafter.train_mask_embedding: every checkpoint carries the trained vector as mask_embedding.pt (vLLM's form),
+    it moved from the target's row of the mask id, the run's other weights differ from a run without it, a run
+    killed after step 2 and resumed ends on the same vector and weights, and the saved drafter loads with it."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.model.checkpoint import load_drafter
+
+    recipe, ref = reference_run
+    sets = ["drafter.train_mask_embedding=true"]
+    whole = tmp_path / "whole"
+    res = _train(["--config", recipe, "--output", whole, *[a for s in sets for a in ("--set", s)]])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not (ref / "final" / "mask_embedding.pt").exists()
+    saved = torch.load(whole / "final" / "mask_embedding.pt", weights_only=True)
+    assert saved["mask_token_id"] == 16
+    row = AutoModelForCausalLM.from_pretrained(str(train_tiny_target)).get_input_embeddings().weight[16].detach()
+    assert saved["embedding"].shape == row.shape and (saved["embedding"] - row).abs().max() > 1e-4
+    for step in sorted((whole / "checkpoints").glob("step-*")):
+        assert (step / "mask_embedding.pt").is_file(), step
+    a, plain = _weights(whole / "final"), _weights(ref / "final")
+    assert set(a) == set(plain) and not torch.equal(a["layers.0.self_attn.q_proj.weight"],
+                                                    plain["layers.0.self_attn.q_proj.weight"])
+    killed = tmp_path / "killed"
+    _killed_after_first_checkpoint(recipe, killed, sets)
+    res = _train(["--config", recipe, "--output", killed, "--resume", *[a for s in sets for a in ("--set", s)]])
+    assert res.returncode == 0, res.stderr[-3000:]
+    b = _weights(killed / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(torch.load(killed / "final" / "mask_embedding.pt", weights_only=True)["embedding"],
+                       saved["embedding"])
+    assert torch.equal(load_drafter(whole / "final").mask_embedding.detach(), saved["embedding"])
+
+
+@pytest.mark.slow
 def test_two_ranks_match_one_rank(reference_run, tmp_path):
     recipe, ref = reference_run
     out = tmp_path / "two"

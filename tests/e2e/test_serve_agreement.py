@@ -129,3 +129,56 @@ def test_vllm_acceptance_matches_our_eval(tmp_path, smollm2_path, vllm_python, a
     for a, b in zip(ours["per_position"], served.per_position_acceptance_rate, strict=True):
         assert b == pytest.approx(a, abs=0.05)
     assert served.draft_tokens == 3 * served.drafts  # B-1 = 3 draft slots per step
+
+
+def test_vllm_serves_a_drafters_own_mask_embedding_as_our_eval_decodes_it(tmp_path, smollm2_path, vllm_python,
+                                                                          accepting_eval):
+    """drafter.train_mask_embedding's file, mask_embedding.pt, is read by vLLM's CPU build as by our eval: the
+    accepting drafter with another mask input planted (the target's row of the mask id, negated) decodes other
+    drafts in our eval, and vLLM, served that folder, accepts what our eval accepts (an engine that ignored the
+    file would accept what the plain drafter does)."""
+    import shutil
+
+    import torch
+    from conftest import ACCEPTING_MAX_NEW_TOKENS as MAX_NEW_TOKENS
+    from conftest import ACCEPTING_PROMPTS as NUM_PROMPTS
+    from conftest import run_dflash_train
+    from safetensors.torch import load_file
+
+    from dflash_train.eval.prompts import load_prompts, render_prompts
+    from dflash_train.target import load_tokenizer
+    from serve_shim.launch import start_server
+    from serve_shim.metrics import stats_between
+
+    python = vllm_python
+    plain, _, _ = accepting_eval
+    run = Path(plain["draft"]).parent
+    draft = tmp_path / "drafter"
+    shutil.copytree(run / "final", draft)
+    embed = [t for name, t in load_file(str(next(smollm2_path.glob("*.safetensors")))).items()
+             if name.endswith("embed_tokens.weight")][0]
+    torch.save({"embedding": -embed[16].float(), "mask_token_id": 16}, draft / "mask_embedding.pt")
+    run_dflash_train("eval", "--draft", str(draft), "--prompts", str(run), "--num-prompts", str(NUM_PROMPTS),
+                     "--max-new-tokens", str(MAX_NEW_TOKENS), "--dtype", "float32", "--no-speedup",
+                     "--json", str(tmp_path / "eval.json"))
+    ours = json.loads((tmp_path / "eval.json").read_text())
+    assert ours["lossless"] is True
+    # the planted input changes what our eval drafts: otherwise agreement would not show vLLM read the file
+    assert abs(ours["tau"] - plain["tau"]) >= 0.05, (ours["tau"], plain["tau"])
+
+    prompt_ids = render_prompts(load_tokenizer(str(smollm2_path)), load_prompts(str(run), max_samples=NUM_PROMPTS))
+    with start_server(draft, target=str(smollm2_path), python=python, served_model_name="smol",
+                      engine_args=ENGINE_ARGS, timeout=360, log_path=tmp_path / "server.log") as url:
+        first = before = settled_stats(url)
+        for ids in prompt_ids:
+            post(url + "/v1/completions", {"model": "smol", "prompt": ids, "max_tokens": MAX_NEW_TOKENS,
+                                           "temperature": 0})
+            before = settled_stats(url)
+        served = stats_between(first, before)
+    assert "Loaded DFlash mask embedding" in (tmp_path / "server.log").read_text()
+    print(f"\ntau: ours with the planted mask embedding {ours['tau']:.4f}, vLLM {served.mean_acceptance_length:.4f}, "
+          f"the plain drafter {plain['tau']:.4f}")
+    assert abs(served.mean_acceptance_length - ours["tau"]) / ours["tau"] <= TOLERANCE
+    assert abs(served.mean_acceptance_length - plain["tau"]) > abs(served.mean_acceptance_length - ours["tau"])
+    for a, b in zip(ours["per_position"], served.per_position_acceptance_rate, strict=True):
+        assert b == pytest.approx(a, abs=0.05)

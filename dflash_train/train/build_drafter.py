@@ -4,6 +4,7 @@ the mask embedding trained or frozen as the recipe says."""
 
 from __future__ import annotations
 
+from dflash_train.errors import ConfigError
 from dflash_train.train.device import check_drafter_fits
 from dflash_train.train.engine import World
 from dflash_train.train.recipe import TrainRecipe
@@ -28,6 +29,10 @@ def build_drafter(recipe: TrainRecipe, target_path: str, target_model, tokenizer
                              what="drafter.init_from")
         if model.lm_head is not None:
             model.lm_head.weight.requires_grad_(d.train_lm_head)
+        if model.mask_embedding is not None and recipe.engine.zero_stage == 3:
+            raise ConfigError(f"drafter.init_from {d.init_from}: the drafter has its own mask embedding "
+                              "(mask_embedding.pt), which engine.zero_stage 3 would hand over partitioned; set "
+                              "engine.zero_stage 2 (or 0/1)")
         return with_mask_embedding(model, d.train_mask_embedding, target_model)
     cfg = drafter_config_for_target(recipe.target, num_layers=d.num_layers, block_size=d.block_size,
                                     mask_token_id=d.mask_token_id, num_features=d.num_features,

@@ -197,6 +197,16 @@ def test_a_trained_mask_embedding_starts_at_the_targets_row_and_resumes_bit_iden
     assert torch.equal(torch.load(killed / "final" / "mask_embedding.pt", weights_only=True)["embedding"],
                        saved["embedding"])
     assert torch.equal(load_drafter(whole / "final").mask_embedding.detach(), saved["embedding"])
+    # a run started from it keeps its vector, frozen unless it trains it; ZeRO-3, which would partition it, is refused
+    frozen = tmp_path / "from-it"
+    res = _train(["--config", recipe, "--output", frozen, "--max-steps", "2", "--set",
+                  f"drafter.init_from={whole / 'final'}"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert torch.equal(torch.load(frozen / "final" / "mask_embedding.pt", weights_only=True)["embedding"],
+                       saved["embedding"])
+    refused = _train(["--config", recipe, "--output", tmp_path / "z3", "--max-steps", "2", "--set",
+                      f"drafter.init_from={whole / 'final'}", "--set", "engine.zero_stage=3"])
+    assert refused.returncode == 2 and "mask_embedding.pt" in refused.stderr and "zero_stage 2" in refused.stderr
 
 
 @pytest.mark.slow

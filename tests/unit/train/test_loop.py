@@ -149,18 +149,23 @@ def test_a_muon_run_trains_otherwise_and_resumes_bit_identical(reference_run, tm
     """optim.algorithm: muon reaches the optimizer (other weights than AdamW's run) and its momentum travels with
     the checkpoint: killed after step 2 and resumed, the run ends where the uninterrupted one does."""
     recipe, ref = reference_run
-    sets = ["optim.algorithm=muon"]
-    whole = tmp_path / "whole"
-    res = _train(["--config", recipe, "--output", whole, *[a for s in sets for a in ("--set", s)]])
-    assert res.returncode == 0, res.stderr[-3000:]
+    whole, _ = _whole_and_resumed(recipe, tmp_path, ["optim.algorithm=muon"])
     a, adamw = _weights(whole / "final"), _weights(ref / "final")
     assert not torch.equal(a["layers.0.mlp.down_proj.weight"], adamw["layers.0.mlp.down_proj.weight"])
-    killed = tmp_path / "killed"
+
+
+def _whole_and_resumed(recipe, tmp_path, sets):
+    """(whole, killed): the run with `sets` uninterrupted, and killed after its first checkpoint and resumed;
+    both end on the same weights."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    res = _train(["--config", recipe, "--output", whole, *[a for s in sets for a in ("--set", s)]])
+    assert res.returncode == 0, res.stderr[-3000:]
     _killed_after_first_checkpoint(recipe, killed, sets)
     res = _train(["--config", recipe, "--output", killed, "--resume", *[a for s in sets for a in ("--set", s)]])
     assert res.returncode == 0, res.stderr[-3000:]
-    b = _weights(killed / "final")
+    a, b = _weights(whole / "final"), _weights(killed / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    return whole, killed
 
 
 @pytest.mark.slow
@@ -174,10 +179,7 @@ def test_a_trained_mask_embedding_starts_at_the_targets_row_and_resumes_bit_iden
     from dflash_train.model.checkpoint import load_drafter
 
     recipe, ref = reference_run
-    sets = ["drafter.train_mask_embedding=true"]
-    whole = tmp_path / "whole"
-    res = _train(["--config", recipe, "--output", whole, *[a for s in sets for a in ("--set", s)]])
-    assert res.returncode == 0, res.stderr[-3000:]
+    whole, killed = _whole_and_resumed(recipe, tmp_path, ["drafter.train_mask_embedding=true"])
     assert not (ref / "final" / "mask_embedding.pt").exists()
     saved = torch.load(whole / "final" / "mask_embedding.pt", weights_only=True)
     assert saved["mask_token_id"] == 16
@@ -188,12 +190,6 @@ def test_a_trained_mask_embedding_starts_at_the_targets_row_and_resumes_bit_iden
     a, plain = _weights(whole / "final"), _weights(ref / "final")
     assert set(a) == set(plain) and not torch.equal(a["layers.0.self_attn.q_proj.weight"],
                                                     plain["layers.0.self_attn.q_proj.weight"])
-    killed = tmp_path / "killed"
-    _killed_after_first_checkpoint(recipe, killed, sets)
-    res = _train(["--config", recipe, "--output", killed, "--resume", *[a for s in sets for a in ("--set", s)]])
-    assert res.returncode == 0, res.stderr[-3000:]
-    b = _weights(killed / "final")
-    assert all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(torch.load(killed / "final" / "mask_embedding.pt", weights_only=True)["embedding"],
                        saved["embedding"])
     assert torch.equal(load_drafter(whole / "final").mask_embedding.detach(), saved["embedding"])

@@ -120,9 +120,8 @@ class DrafterConfig(_Section):
     # the reduced vocabulary's head starts as the target's rows; train it (true) or keep it frozen
     # like the full-vocabulary head (false, the paper's convention; generalises better on little data)
     train_lm_head: bool = False
-    # the MASK slots' input embedding: the target's row of mask_token_id, frozen (false), or a vector of the
-    # drafter's own that starts there and is trained (true). Saved as mask_embedding.pt beside the weights, which
-    # vLLM reads and substitutes at mask_token_id; SGLang always borrows the target's row (serve with vLLM)
+    # the mask slots' input: the target's row of mask_token_id (false), or a vector of the drafter's own started there
+    # and trained (true), saved as mask_embedding.pt, which vLLM reads (SGLang always takes the target's row)
     train_mask_embedding: bool = False
     # start the draft layers from this target decoder layer (-1: the last) and the final norm from
     # the target's; null: random initialisation

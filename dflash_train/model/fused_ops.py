@@ -124,7 +124,9 @@ class _RoPE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        grad_x = call("rope backward", _rope_backward, (grad, cos, sin), ROPE_DYNAMIC, KNOB)
+        # contiguous: split attention's grid scores the blocks' keys as they are (k_blk.mT, no expanded copy), so
+        # their gradient arrives transposed, and a graph guards on strides (a second backward graph otherwise)
+        grad_x = call("rope backward", _rope_backward, (grad.contiguous(), cos, sin), ROPE_DYNAMIC, KNOB)
         return grad_x.to(ctx.dtype), None, None
 
 

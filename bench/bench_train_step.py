@@ -45,12 +45,14 @@ bf16 instructions) the two variants run the same matmuls.
 `--compiled-step` compares the same step on eight documents of a micro-batch size that changes every step
 (`--steps` sizes of 880-1,024 tokens), eager and as one compiled graph (`objective.training_forward: compiled`,
 train/compiled_step.py; forward and backward, no optimizer step): two passes over the sizes; the step time is the
-second pass's, the first pass's seconds (the compiles) are printed beside it.
+second pass's, the first pass's seconds (the compiles) are printed beside it. `--compiled-layers` runs that
+compiled step for one layer of MLP 1,536 (the recipe) and two of 512 (the same weights): what a second layer costs
+in the graph the demo trains with on AMX cores (docs/results/2026-12-06-drafter-quality-round-29.md).
 
 Usage: python bench/bench_train_step.py [--steps 3] [--vocab 49152] [--chunk 256] [--precisions | --prefix]
        python bench/bench_train_step.py --layers [--steps 10] [--rounds 3]
        python bench/bench_train_step.py --anchor-slot | --kernels | --optimizer | --split-grid | --row-buckets |
-           --compiled-step
+           --compiled-step | --compiled-layers
            [--steps 10]
            [--rounds 3]
 """
@@ -198,6 +200,8 @@ DEMO_DOCS = replace(SMOLLM2, vocab=4096, block=4, anchors=256, documents=8)
 # --compiled-step: the recipe's step on eight documents whose size changes every step, eager and with the forward and
 # backward as one compiled graph (objective.training_forward: compiled)
 COMPILED_STEP = {"step-eager": False, "step-compiled": True}
+# --compiled-layers: that compiled step for the recipe's one layer of MLP 1,536 and two of 512 (the same weights)
+COMPILED_LAYERS = {"compiled-1x1536": (1, 1536), "compiled-2x512": (2, 512)}
 # --optimizer: the recipe's step with its optimizer step after the backward: AdamW (the recipe), or Muon for the
 # layers' matrices and fc at 5 and 3 Newton-Schulz iterations a step (`optim.algorithm: muon`,
 # `optim.muon_ns_steps`), 5 every 8th step (`optim.muon_every`: time a multiple of 8 steps, e.g. --steps 16), and
@@ -254,7 +258,7 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         import dflash_train.model.modeling_dflash as modeling
 
         modeling.SPLIT_GRID_ELEMENTS = SPLIT_GRID[name]
-    depth = LAYERS.get(name) or (LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS, **OPTIMIZERS,
+    depth = LAYERS.get(name) or COMPILED_LAYERS.get(name) or (LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS, **OPTIMIZERS,
                                                                       **SPLIT_GRID, **ROW_BUCKETS, **COMPILED_STEP}
                                  else None)
     kernels = KERNELS.get(name, "eager")
@@ -263,7 +267,7 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     recipe_step = prefix or name == "prefix-off"
     mixed = name == "bf16-mixed" if name in PRECISIONS else recipe_step and recipe_precision()[0] == "bf16-mixed"
     if depth is not None:
-        shape = DEMO_DOCS if name in SPLIT_GRID or name in COMPILED_STEP else DEMO_B4
+        shape = DEMO_DOCS if name in SPLIT_GRID or name in COMPILED_STEP or name in COMPILED_LAYERS else DEMO_B4
         model, mb = build_step(replace(shape, layers=depth[0], intermediate=depth[1]))
         model.use_fused_ops(kernels == "compiled")
     else:
@@ -293,10 +297,11 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
             return microbatch_loss(model, mb, attention="split", chunk=chunk, prefix_weighting=prefix, head=kernels)[0]
 
     first_pass = None
-    if name in COMPILED_STEP:  # `steps` sizes of eight documents; a first pass over them (compiles), then the timed one
+    if name in COMPILED_STEP or name in COMPILED_LAYERS:  # `steps` sizes of eight documents; a first pass over them
+        # (compiles), then the timed one
         sizes = [8 * (t // 8) for t in changing_sizes(steps)]  # eight documents of equal length
         batches = [build_batch(replace(DEMO_DOCS, tokens=t, anchors=8 * (t // 32))) for t in sizes]
-        if COMPILED_STEP[name]:  # objective.training_forward: compiled (train/compiled_step.py)
+        if COMPILED_STEP.get(name, True):  # objective.training_forward: compiled (train/compiled_step.py)
             from dflash_train.train import compiled_step
 
             def recipe_loss(model, mb):
@@ -327,8 +332,9 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
     out = {"variant": name, "step_s": step_s, "positions_per_s": positions / step_s, "loss": losses[0],
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "fc_grad": grad.tolist()[:4096],
            "optimizer": type(opt).__name__ if stepping else None, "last_loss": losses[-1],
-           "autocast": "bf16" if mixed else None, "first_pass_s": first_pass}
-    if name in COMPILED_STEP:
+           "autocast": "bf16" if mixed else None, "first_pass_s": first_pass, "layers": len(model.layers),
+           "mlp": model.layers[0].mlp.gate_proj.out_features}
+    if name in COMPILED_STEP or name in COMPILED_LAYERS:
         from torch._dynamo.utils import counters
 
         out["graphs"] = counters["stats"]["unique_graphs"]
@@ -363,9 +369,11 @@ def main() -> None:
     ap.add_argument("--compiled-step", action="store_true",
                     help="compare the demo recipe's step on micro-batches of changing sizes eager and as one "
                          "compiled graph (objective.training_forward: compiled)")
+    ap.add_argument("--compiled-layers", action="store_true",
+                    help="compare that compiled step for one layer of MLP 1,536 and two of 512 (the same weights)")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="--layers, --anchor-slot, --kernels, --optimizer, --split-grid, --row-buckets: turns of "
-                         "every variant")
+                    help="--layers, --anchor-slot, --kernels, --optimizer, --split-grid, --row-buckets, "
+                         "--compiled-step, --compiled-layers: turns of every variant")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -375,10 +383,11 @@ def main() -> None:
 
     print(f"machine: {describe(machine_facts())}")
     if (args.layers or args.anchor_slot or args.kernels or args.optimizer or args.split_grid or args.row_buckets
-            or args.compiled_step):
+            or args.compiled_step or args.compiled_layers):
         _compare_in_turns(args, LAYERS if args.layers else ANCHOR_SLOT if args.anchor_slot else KERNELS
                           if args.kernels else OPTIMIZERS if args.optimizer else SPLIT_GRID if args.split_grid
-                          else ROW_BUCKETS if args.row_buckets else COMPILED_STEP)
+                          else ROW_BUCKETS if args.row_buckets else COMPILED_LAYERS if args.compiled_layers
+                          else COMPILED_STEP)
         return
     names = PRECISIONS if args.precisions else ("prefix-off", "prefix-weighting") if args.prefix else ("naive", "ours")
     results = {name: _one(name, args) for name in names}
@@ -426,17 +435,18 @@ def _compare_in_turns(args, variants: dict) -> None:
     names = list(variants)
     rows = [{name: _one(name, args) for name in names} for _ in range(args.rounds)]
     rounds = [{name: r[name]["step_s"] for name in names} for r in rows]
-    s = DEMO_DOCS if variants is SPLIT_GRID or variants is COMPILED_STEP else DEMO_B4
+    changing = variants is COMPILED_STEP or variants is COMPILED_LAYERS  # one micro-batch size a step
+    s = DEMO_DOCS if variants is SPLIT_GRID or changing else DEMO_B4
     what = "forward + backward + the optimizer's step" if variants is OPTIMIZERS else "forward + backward, no optimizer"
     tokens, anchors = (("880-1024 (one size a step)", "167-195") if variants is ROW_BUCKETS else
-                       ("880-1024 (one size a step)", "216-256") if variants is COMPILED_STEP else (s.tokens, s.anchors))
+                       ("880-1024 (one size a step)", "216-256") if changing else (s.tokens, s.anchors))
     print(f"T={tokens} in {s.documents} document(s) anchors={anchors} B={s.block} vocab={s.vocab}, "
           f"{_precision_label()}, prefix weighting, "
           f"{args.steps} timed steps x {args.rounds} rounds ({what})")
     for name in names:
         steps = [r[name] for r in rounds]
         ratio = statistics.median(r[name] / r[names[0]] for r in rounds)
-        label = "{} layer(s), MLP {:5d}".format(*variants[name]) if variants is LAYERS else name
+        label = "{} layer(s), MLP {:5d}".format(*variants[name]) if variants is LAYERS or variants is COMPILED_LAYERS else name
         first = [r[name]["first_pass_s"] for r in rows if r[name].get("first_pass_s") is not None]
         print(f"  {label}: step {statistics.median(steps):.3f} s (median; "
               f"{min(steps):.3f}-{max(steps):.3f}), {ratio:.2f}x {names[0]}"

@@ -124,3 +124,13 @@ def test_the_compiled_step_variant_computes_the_eager_step():
         abs(x) for x in eager["fc_grad"])
     assert eager["graphs"] == 0 < fused["graphs"] <= 2
     assert fused["first_pass_s"] > fused["step_s"] > 0 and eager["first_pass_s"] > 0
+
+
+@pytest.mark.slow  # ~1 min: Inductor compiles the two-layer step's graphs on the CPU
+def test_the_compiled_layers_variant_compiles_the_two_layer_drafter():
+    """--compiled-layers: its second variant is the compiled step of two layers of MLP 512 (not the recipe's one of
+    1,536), in a few graphs, its first pass (the compiles) reported apart from the timed steps."""
+    (row,) = _variant_rows("compiled-2x512")
+    assert (row["layers"], row["mlp"]) == (2, 512)
+    assert 0 < row["graphs"] <= 3
+    assert row["first_pass_s"] > row["step_s"] > 0 and row["loss"] > 0

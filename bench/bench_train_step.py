@@ -258,9 +258,9 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
         import dflash_train.model.modeling_dflash as modeling
 
         modeling.SPLIT_GRID_ELEMENTS = SPLIT_GRID[name]
-    depth = LAYERS.get(name) or COMPILED_LAYERS.get(name) or (LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS, **OPTIMIZERS,
-                                                                      **SPLIT_GRID, **ROW_BUCKETS, **COMPILED_STEP}
-                                 else None)
+    depth = LAYERS.get(name) or COMPILED_LAYERS.get(name) or (
+        LAYERS["layers-1x1536"] if name in {**ANCHOR_SLOT, **KERNELS, **OPTIMIZERS, **SPLIT_GRID, **ROW_BUCKETS,
+                                            **COMPILED_STEP} else None)
     kernels = KERNELS.get(name, "eager")
     prefix = name == "prefix-weighting" or depth is not None  # objective.prefix_weighting on
     # the recipe-step modes (--prefix, --layers, ...) run the recipe's `auto` precision; --precisions names its own
@@ -297,8 +297,8 @@ def run_variant(name: str, steps: int, vocab: int, chunk: int) -> dict:
             return microbatch_loss(model, mb, attention="split", chunk=chunk, prefix_weighting=prefix, head=kernels)[0]
 
     first_pass = None
-    if name in COMPILED_STEP or name in COMPILED_LAYERS:  # `steps` sizes of eight documents; a first pass over them
-        # (compiles), then the timed one
+    # `steps` sizes of eight documents; a first pass over them (compiles), then the timed one
+    if name in COMPILED_STEP or name in COMPILED_LAYERS:
         sizes = [8 * (t // 8) for t in changing_sizes(steps)]  # eight documents of equal length
         batches = [build_batch(replace(DEMO_DOCS, tokens=t, anchors=8 * (t // 32))) for t in sizes]
         if COMPILED_STEP.get(name, True):  # objective.training_forward: compiled (train/compiled_step.py)

@@ -186,10 +186,9 @@ class DFlashAttention(nn.Module):
 
             o = flex_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout.flex_mask(self.window), self.scale)
             return self._out(o[:, :, first_query:])
-        if attention == "split":  # reads the shared kv heads itself (grouped queries), as flex does
+        # split and dense, like flex, take the shared kv heads: each expands them only where it needs to
+        if attention == "split":
             return self._out(self._split_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from))
-        ctx_k, ctx_v = self._expand_kv(ctx_k), self._expand_kv(ctx_v)
-        k_blk, v_blk = self._expand_kv(k_blk), self._expand_kv(v_blk)
         if attention == "dense":
             return self._out(self._dense_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)[:, :, first_query:])
         raise ValueError(f"attention {attention!r}: choose split, dense or flex")
@@ -224,8 +223,7 @@ class DFlashAttention(nn.Module):
                                      layout.padded_runs(self.window, bucket=row_buckets.compiles_per_shape(q)),
                                      q_from, blk_ok)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_blk, v_blk, ctx_k, ctx_v))
-        ctx_k, ctx_v = self._expand_kv(ctx_k), self._expand_kv(ctx_v)
-        k_blk, v_blk = self._expand_kv(k_blk), self._expand_kv(v_blk)
+        ctx_k, ctx_v, k_blk, v_blk = (self._expand_kv(x) for x in (ctx_k, ctx_v, k_blk, v_blk))
         outs = []
         for lo, hi, c0, c1 in layout.segments():
             allowed = layout.context_allowed(self.window, lo, hi, c0, c1)[:, :, q_from:]
@@ -286,7 +284,8 @@ class DFlashAttention(nn.Module):
         return torch.einsum("nhbt,htd->nhbd", p[..., :t], vc) + torch.einsum("nhbc,nhcd->nhbd", p[..., t:], v_blk)
 
     def _dense_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout):
-        """The naive reference: all blocks as one query set, keys [context ; all blocks]."""
+        """The naive reference: all blocks as one query set, keys [context ; all blocks] (kv heads expanded)."""
+        ctx_k, ctx_v, k_blk, v_blk = (self._expand_kv(x) for x in (ctx_k, ctx_v, k_blk, v_blk))
         n, h, b, d = q.shape
         t = ctx_k.shape[-2]
         qq = q.transpose(0, 1).reshape(h, n * b, d)

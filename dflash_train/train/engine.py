@@ -191,7 +191,7 @@ def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
                                     grad_clip=o.grad_clip, own_step=own, fp32_masters=own and bf16,
                                     decay_on=o.weight_decay_on, muon=muon, muon_momentum=o.muon_momentum,
                                     muon_ns_steps=o.muon_ns_steps, muon_every=o.muon_every,
-                                    muon_lr_scale=o.muon_lr_scale)
+                                    muon_lr_scale=o.muon_lr_scale, muon_variant=o.muon_variant)
     if own and bf16:  # what DeepSpeed's bf16 mode does to the module: the weights, not the fp32 buffers
         for p in model.parameters():
             if p.dtype.is_floating_point:

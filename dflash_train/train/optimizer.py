@@ -188,12 +188,13 @@ class DeviceMuon(DeviceAdamW):
     (clipped) gradient into a momentum buffer, its Nesterov blend orthogonalised (`orthogonalize`), scaled by
     0.2 sqrt(max(rows, cols)) so its RMS matches an AdamW update's (the same lr serves both rules, as
     torch.optim.Muon's `match_rms_adamw`; `lr_scale` multiplies it), with decoupled weight decay. The
-    learning-rate schedule scales both rules: they share the optimizer's param groups."""
+    learning-rate schedule scales both rules: they share the optimizer's param groups. `variant="normuon"`
+    (NorMuon) divides the orthogonalised update by a running RMS per neuron before the scaling (`_per_neuron`)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], matrices: Iterable[torch.nn.Parameter], *, lr: float,
                  betas: tuple[float, float], weight_decay: float, grad_clip: float, fp32_masters: bool,
                  decay_on: str = "matrices", momentum: float = 0.95, ns_steps: int = 5, every: int = 1,
-                 lr_scale: float = 1.0):
+                 lr_scale: float = 1.0, variant: str = "muon"):
         params = list(params)
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                          fp32_masters=fp32_masters, decay_on=decay_on)
@@ -211,10 +212,15 @@ class DeviceMuon(DeviceAdamW):
         if lr_scale <= 0:
             raise ValueError(f"optim.muon_lr_scale is {lr_scale}; use a positive factor (1: Muon's update has AdamW's RMS)")
         self.lr_scale = float(lr_scale)
+        if variant not in ("muon", "normuon"):
+            raise ValueError(f"optim.muon_variant is {variant!r}; use muon or normuon")
+        self.variant = variant
         self.ns_dtype = muon_dtype(self.muon_masters[0].device)
         self.muon_weight_decay = float(weight_decay)
         # the momentum buffers live beside AdamW's state, not in it (AdamW's loader expects its own keys there)
         self.muon_momentum: list[torch.Tensor | None] = [None] * len(self.muon_masters)
+        # normuon: each matrix's running mean square of its orthogonalised update, one value per neuron
+        self.muon_second: list[torch.Tensor | None] = [None] * len(self.muon_masters)
         # `every` > 1: the orthogonalised update of the last refresh, applied until the next (in the iteration's
         # dtype, which holds it exactly), and the Muon steps taken so far (which steps refresh)
         self.muon_direction: list[torch.Tensor | None] = [None] * len(self.muon_masters)
@@ -237,6 +243,8 @@ class DeviceMuon(DeviceAdamW):
         self.muon_steps += 1
         if refresh:
             directions = self._orthogonalized(live, torch._foreach_lerp(grads, bufs, self.momentum))  # Nesterov
+            if self.variant == "normuon":
+                directions = self._per_neuron(live, directions)
             if self.every > 1:
                 for (i, _), d in zip(live, directions, strict=True):
                     self.muon_direction[i] = d.to(self.ns_dtype)
@@ -264,6 +272,22 @@ class DeviceMuon(DeviceAdamW):
                 out[k] = o if live[k][1].shape[0] == short else o.mT
         return out
 
+    def _per_neuron(self, live: list[tuple[int, torch.Tensor]], directions: list[torch.Tensor],
+                    beta2: float = 0.95) -> list[torch.Tensor]:
+        """NorMuon's step: each orthogonalised update divided, neuron by neuron, by the root of a running mean
+        (beta2) of its squares, then scaled back to its own norm. A neuron is an index of the matrix's long side
+        (the rows of a square or tall matrix), its mean taken over the short side: the short side's vectors
+        leave the iteration with equal norms, the long side's do not."""
+        out = []
+        for (i, _), d in zip(live, directions, strict=True):
+            square = d.square().mean(dim=-1 if d.shape[0] >= d.shape[1] else 0, keepdim=True)
+            if self.muon_second[i] is None:
+                self.muon_second[i] = torch.zeros_like(square)
+            self.muon_second[i].lerp_(square, 1 - beta2)
+            n = d / (self.muon_second[i].sqrt() + 1e-10)
+            out.append(n * (torch.linalg.vector_norm(d) / (torch.linalg.vector_norm(n) + 1e-10)))
+        return out
+
     def _group_of(self, p: torch.Tensor) -> dict:
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
@@ -273,6 +297,8 @@ class DeviceMuon(DeviceAdamW):
         if self.every > 1:
             sd["muon_direction"] = [None if d is None else d.detach().clone() for d in self.muon_direction]
         sd["muon_steps"] = self.muon_steps
+        if self.variant == "normuon":
+            sd["muon_second"] = [None if v is None else v.detach().clone() for v in self.muon_second]
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -283,6 +309,10 @@ class DeviceMuon(DeviceAdamW):
                              "adamw, or another drafter); resume with the settings the run was started with")
         direction = state_dict.pop("muon_direction", None)
         steps = state_dict.pop("muon_steps", None)
+        second = state_dict.pop("muon_second", None)
+        if self.variant == "normuon" and (second is None or len(second) != len(self.muon_masters)):
+            raise ValueError("optimizer state without NorMuon's per-neuron mean squares (saved with optim.muon_variant "
+                             "muon); resume with the settings the run was started with")
         if self.every > 1 and (direction is None or steps is None):
             raise ValueError("optimizer state without Muon's last orthogonalised update (saved with another "
                              "optim.muon_every); resume with the settings the run was started with")
@@ -293,6 +323,9 @@ class DeviceMuon(DeviceAdamW):
             self.muon_direction = [None if d is None else d.to(m.device, self.ns_dtype).clone()
                                    for d, m in zip(direction, self.muon_masters, strict=True)]
         self.muon_steps = int(steps or 0)
+        if self.variant == "normuon":
+            self.muon_second = [None if v is None else v.to(m.device, torch.float32).clone()
+                                for v, m in zip(second, self.muon_masters, strict=True)]
 
 
 MUON_NEEDS_OWN_STEP = ("optim.algorithm: muon runs as the toolkit's own optimizer step, not DeepSpeed's: set "
@@ -303,7 +336,7 @@ def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple
                     weight_decay: float, grad_clip: float, own_step: bool, fp32_masters: bool,
                     decay_on: str = "matrices", muon: list[torch.nn.Parameter] | None = None,
                     muon_momentum: float = 0.95, muon_ns_steps: int = 5, muon_every: int = 1,
-                    muon_lr_scale: float = 1.0):
+                    muon_lr_scale: float = 1.0, muon_variant: str = "muon"):
     """`own_step` (no ZeRO): a DeviceAdamW that clips on the device, or a DeviceMuon when `muon` names the
     matrices Muon steps. Otherwise torch's AdamW for DeepSpeed's ZeRO optimizers to wrap (fused on CUDA; they
     clip themselves)."""
@@ -312,7 +345,8 @@ def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple
     if muon is not None:
         return DeviceMuon(params, muon, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                           fp32_masters=fp32_masters, decay_on=decay_on, momentum=muon_momentum,
-                          ns_steps=muon_ns_steps, every=muon_every, lr_scale=muon_lr_scale)
+                          ns_steps=muon_ns_steps, every=muon_every, lr_scale=muon_lr_scale,
+                          variant=muon_variant)
     if own_step:
         return DeviceAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip,
                            fp32_masters=fp32_masters, decay_on=decay_on)

@@ -231,15 +231,15 @@ class OptimConfig(_Section):
     algorithm: Literal["adamw", "muon"] = "adamw"
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     muon_ns_steps: int = Field(5, ge=1)  # Newton-Schulz iterations a step
-    # orthogonalise every this many steps and apply that update until the next (the momentum takes every step's
-    # gradient): the iteration's cost over `muon_every` steps
+    # orthogonalise every this many steps, that update applied until the next (the momentum takes every gradient)
     muon_every: int = Field(1, ge=1)
-    # Muon's step against AdamW's at the same `lr`: its update's RMS is AdamW's times this (1: torch.optim.Muon's
-    # `match_rms_adamw`). The schedule scales both rules alike
+    # normuon: each orthogonalised update divided, neuron by neuron, by the root of a running mean of its squares
+    # (NorMuon, arXiv 2510.05491; its norm kept), so no neuron's step stays larger than the others' for long
+    muon_variant: Literal["muon", "normuon"] = "muon"
+    # Muon's update's RMS as a multiple of AdamW's at the same lr (1: torch.optim.Muon's `match_rms_adamw`)
     muon_lr_scale: float = Field(1.0, gt=0)
-    # which matrices Muon steps (the rest keep AdamW): the draft layers' attention (q/k/v/o) and MLP
-    # (gate/up/down) projections, and fc. On 2 CPU cores a group's iteration costs about its matrices' size: fc and
-    # the MLP most, attention least (`bench/bench_train_step.py --optimizer`)
+    # which matrices Muon steps (the rest keep AdamW): the layers' attention (q/k/v/o) and MLP (gate/up/down)
+    # projections, and fc; a group's iteration costs about its matrices' size (`bench_train_step.py --optimizer`)
     muon_on: list[Literal["attention", "mlp", "fc"]] = Field(default_factory=lambda: ["attention", "mlp", "fc"],
                                                            min_length=1)
     epochs: float = Field(1.0, gt=0)

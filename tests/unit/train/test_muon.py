@@ -356,3 +356,82 @@ def test_muon_lr_scale_multiplies_the_muon_step_alone():
     with pytest.raises(ConfigError, match="muon_lr_scale"):
         load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.muon_lr_scale=-1"])
     assert load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.muon_lr_scale=1.5"]).recipe.optim.muon_lr_scale == 1.5
+
+
+def _neuron_rms(update: torch.Tensor) -> torch.Tensor:
+    """One RMS per neuron: per row of a square or tall matrix, per column of a wide one."""
+    return update.square().mean(dim=-1 if update.shape[0] >= update.shape[1] else 0).sqrt()
+
+
+@torch.no_grad()
+def test_normuon_evens_the_neurons_keeps_the_update_norm_and_follows_its_running_mean():
+    """optim.muon_variant normuon: the first step moves every neuron of a Muon matrix by the same RMS, with the
+    plain Muon step's norm (Muon alone leaves the neurons uneven: the negative control); over four steps the
+    matrices follow a reference written from the rule (a running mean of squares, beta2 0.95, no bias correction,
+    the orthogonalised update's norm restored), AdamW's weights are untouched by the variant."""
+    kw = dict(lr=0.02, betas=(0.9, 0.95), weight_decay=0.0, grad_clip=0.0, fp32_masters=False)
+    start = _layered()
+    moves = {}
+    for variant in ("muon", "normuon"):
+        ps = _layered()
+        opt = DeviceMuon(ps, ps[:3], variant=variant, **kw)
+        opt.ns_dtype = torch.float32
+        _set_grads(ps, 0)
+        opt.step()
+        moves[variant] = [p - s for p, s in zip(ps, start, strict=True)]
+    for plain, norm in zip(moves["muon"][:3], moves["normuon"][:3], strict=True):
+        torch.testing.assert_close(norm.norm(), plain.norm(), rtol=1e-5, atol=0)
+        even, uneven = _neuron_rms(norm), _neuron_rms(plain)
+        assert float(even.max() / even.min()) < 1 + 1e-4
+        assert float(uneven.max() / uneven.min()) > 1.05
+    for plain, norm in zip(moves["muon"][3:], moves["normuon"][3:], strict=True):
+        assert torch.equal(plain, norm)
+
+    ps, ref = _layered(), _layered()
+    opt = DeviceMuon(ps, ps[:3], variant="normuon", **kw)
+    opt.ns_dtype = torch.float32
+    momentum = [torch.zeros_like(p) for p in ref[:3]]
+    second = [None] * 3
+    for step in range(4):
+        _set_grads(ps, step)
+        opt.step()
+        _set_grads(ref, step)
+        for k, p in enumerate(ref[:3]):
+            momentum[k] = 0.95 * momentum[k] + 0.05 * p.grad
+            o = orthogonalize(0.95 * momentum[k] + 0.05 * p.grad, 5, torch.float32)
+            square = _neuron_rms(o).square()
+            square = square[:, None] if o.shape[0] >= o.shape[1] else square[None, :]
+            second[k] = 0.05 * square if second[k] is None else 0.95 * second[k] + 0.05 * square
+            n = o / second[k].sqrt()
+            p -= 0.02 * 0.2 * max(p.shape) ** 0.5 * n * (o.norm() / n.norm())
+    for a, b in zip(ps[:3], ref[:3], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_normuon_resumes_exactly_with_its_mean_squares_and_is_named_by_the_recipe():
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0, fp32_masters=True, variant="normuon")
+    ps = _layered()
+    opt = DeviceMuon(ps, ps[:3], **kw)
+    for step in range(3):
+        _set_grads(ps, step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    again = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt2 = DeviceMuon(again, again[:3], **kw)
+    opt2.load_state_dict(saved)
+    for group, o in ((ps, opt), (again, opt2)):
+        _set_grads(group, 7)
+        o.step()
+    for a, b in zip(opt.masters, opt2.masters, strict=True):
+        assert torch.equal(a, b)
+    plain = DeviceMuon(ps, ps[:3], **{**kw, "variant": "muon"}).state_dict()
+    with pytest.raises(ValueError, match="NorMuon's per-neuron mean squares"):
+        DeviceMuon(again, again[:3], **kw).load_state_dict(plain)
+    with pytest.raises(ValueError, match="optim.muon_variant is 'adam'"):
+        DeviceMuon(again, again[:3], **{**kw, "variant": "adam"})
+    from dflash_train.train.recipe import load_recipe
+
+    with pytest.raises(ConfigError, match="muon_variant"):
+        load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.muon_variant=adam"])
+    recipe = load_recipe("recipes/smollm2-135m-demo.yaml", ["optim.muon_variant=normuon"]).recipe
+    assert recipe.optim.muon_variant == "normuon"

@@ -276,8 +276,9 @@ class DeviceMuon(DeviceAdamW):
                     beta2: float = 0.95) -> list[torch.Tensor]:
         """NorMuon's step: each orthogonalised update divided, neuron by neuron, by the root of a running mean
         (beta2) of its squares, then scaled back to its own norm. A neuron is an index of the matrix's long side
-        (the rows of a square or tall matrix), its mean taken over the short side: the short side's vectors
-        leave the iteration with equal norms, the long side's do not."""
+        (a square or tall matrix's rows, a wide one's columns), its mean taken over the short side: the short
+        side's vectors leave the iteration with about equal norms, the long side's do not. With `every` > 1 the
+        mean moves at the refreshes only."""
         out = []
         for (i, _), d in zip(live, directions, strict=True):
             square = d.square().mean(dim=-1 if d.shape[0] >= d.shape[1] else 0, keepdim=True)

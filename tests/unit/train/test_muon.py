@@ -70,6 +70,28 @@ def _muon_pair(nesterov=True, steps=4):
     return ours, ref, ref_adam
 
 
+def _saved_then_resumed(kw: dict, before: int, after) -> tuple[list, list, dict]:
+    """A DeviceMuon stepped `before` times, its state saved and loaded into another over copies of its weights,
+    then both stepped over the gradients of `after`: asserts their masters stay bit-identical and returns
+    (the first's weights, the resumed one's, the saved state)."""
+    ps = _layered()
+    opt = DeviceMuon(ps, ps[:3], **kw)
+    for step in range(before):
+        _set_grads(ps, step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    again = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    resumed = DeviceMuon(again, again[:3], **kw)
+    resumed.load_state_dict(saved)
+    for step in after:
+        for group, o in ((ps, opt), (again, resumed)):
+            _set_grads(group, step)
+            o.step()
+    for a, b in zip(opt.masters, resumed.masters, strict=True):
+        assert torch.equal(a, b)
+    return ps, again, saved
+
+
 @torch.no_grad()
 def test_the_matrices_step_as_torch_muon_and_the_rest_as_adamw():
     ours, ref, ref_adam = _muon_pair()
@@ -264,22 +286,8 @@ def test_muon_every_resumes_mid_cycle_exactly():
     """A state saved between refreshes carries the direction being reused and the step count; without them a
     resume is refused (it would orthogonalise at another step and move otherwise)."""
     kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0, fp32_masters=True, every=4)
-    ps = _layered()
-    opt = DeviceMuon(ps, ps[:3], **kw)
-    for step in range(2):
-        _set_grads(ps, step)
-        opt.step()
-    saved = copy.deepcopy(opt.state_dict())
+    ps, again, saved = _saved_then_resumed(kw, before=2, after=range(2, 6))  # through the refresh at step 4
     assert saved["muon_steps"] == 2 and all(d is not None for d in saved["muon_direction"])
-    again = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    opt2 = DeviceMuon(again, again[:3], **kw)
-    opt2.load_state_dict(saved)
-    for step in range(2, 6):  # through the refresh at step 4
-        for group, o in ((ps, opt), (again, opt2)):
-            _set_grads(group, step)
-            o.step()
-    for a, b in zip(opt.masters, opt2.masters, strict=True):
-        assert torch.equal(a, b)
     every_step = DeviceMuon(ps, ps[:3], **{**kw, "every": 1}).state_dict()
     with pytest.raises(ValueError, match="optim.muon_every"):
         DeviceMuon(again, again[:3], **kw).load_state_dict(every_step)
@@ -410,20 +418,8 @@ def test_normuon_evens_the_neurons_keeps_the_update_norm_and_follows_its_running
 
 def test_normuon_resumes_exactly_with_its_mean_squares_and_is_named_by_the_recipe():
     kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0, fp32_masters=True, variant="normuon")
-    ps = _layered()
-    opt = DeviceMuon(ps, ps[:3], **kw)
-    for step in range(3):
-        _set_grads(ps, step)
-        opt.step()
-    saved = copy.deepcopy(opt.state_dict())
-    again = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    opt2 = DeviceMuon(again, again[:3], **kw)
-    opt2.load_state_dict(saved)
-    for group, o in ((ps, opt), (again, opt2)):
-        _set_grads(group, 7)
-        o.step()
-    for a, b in zip(opt.masters, opt2.masters, strict=True):
-        assert torch.equal(a, b)
+    ps, again, saved = _saved_then_resumed(kw, before=3, after=[7])
+    assert all(v is not None for v in saved["muon_second"])
     plain = DeviceMuon(ps, ps[:3], **{**kw, "variant": "muon"}).state_dict()
     with pytest.raises(ValueError, match="NorMuon's per-neuron mean squares"):
         DeviceMuon(again, again[:3], **kw).load_state_dict(plain)

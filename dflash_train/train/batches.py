@@ -80,19 +80,6 @@ def add_feature_noise(features: torch.Tensor, layers: int, scale: float, generat
     return (x + noise).view_as(features).to(features.dtype)
 
 
-def confidence_weights(valid: torch.Tensor, target_topk: tuple[torch.Tensor, torch.Tensor] | None,
-                       power: float) -> torch.Tensor:
-    """[N, B] host factors: at each labelled slot (`valid`) the target's top-1 probability there (the first
-    of its top-k log-probs, which come sorted) to `power`; 1 elsewhere. A slot whose next token the target
-    itself is unsure of is one the drafter rarely matches: its weight goes to the slots it can learn."""
-    if target_topk is None:
-        raise ValueError("objective.confidence_power needs the target's top-k: set objective.loss: kl")
-    top1 = target_topk[1][:, 0].float().cpu().exp().clamp(max=1.0)  # one read of a [M] column on a GPU
-    out = torch.ones(valid.shape, dtype=torch.float32)
-    out[valid] = top1.pow(power)
-    return out
-
-
 def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, anchors_per_document: int,
                      labels: str, seed: int, epoch: int, gamma: float | None = None,
                      anchors: list[torch.Tensor] | None = None, pin_memory: bool = False,
@@ -100,8 +87,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
                      context_pad: int | None = None, row_weight: dict[int, float] | None = None,
                      loss_row_weight: dict[int, float] | None = None,
                      feature_noise: tuple[float, int] | None = None,
-                     prompt_from: int | None = None, repeat_weight: float | None = None,
-                     confidence_power: float = 0.0) -> MicroBatch:
+                     prompt_from: int | None = None, repeat_weight: float | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     Documents that carry the target's top-k (kl loss) give the micro-batch the top-k of the
@@ -123,8 +109,6 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     the answers' slots keep the dataset's tokens: anchors.with_prompt_positions).
     repeat_weight: a factor on the slot weights of blocks whose anchor repeats earlier text of its document
     (data/repeats.py; `objective.repeat_weight`).
-    confidence_power: each labelled slot's weight times the target's top-1 probability at the slot's source
-    position to this power (`objective.confidence_power`; needs the kl loss's top-k; 0: none).
     """
     if prompt_from is not None:  # dataset labels keep the answers' tokens and take the target's on the prompts
         docs = [with_prompt_positions(d, prompt_from, answers_from_dataset=labels == "dataset") for d in docs]
@@ -170,8 +154,6 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
         at = src[valid]  # host tensors: the gather index is known without reading the device
         target_topk = (packed.target_topk_ids[to_device(at, packed.target_topk_ids.device)],
                        packed.target_topk_logp[to_device(at, packed.target_topk_logp.device)])
-    if confidence_power:
-        weights = weights * confidence_weights(valid, target_topk, confidence_power)
     return MicroBatch(packed, anchors, lab, weights, layout, target_topk, valid, block_weight)
 
 

@@ -118,7 +118,6 @@ def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], ep
                             feature_noise=None if every_anchor else (o.feature_noise, recipe.drafter.num_features),
                             prompt_from=source.prompt_start() if o.positions == "all" and not every_anchor else None,
                             repeat_weight=None if every_anchor else o.repeat_weight,
-                            confidence_power=0.0 if every_anchor else o.confidence_power,
                             anchors=[anchor_candidates(d.loss_mask) for d in docs] if every_anchor else None)
 
 

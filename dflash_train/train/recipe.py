@@ -176,13 +176,13 @@ class ObjectiveConfig(_Section):
     # a mixture's sources count alike in the loss: each block's slot weights times rows / (sources x rows of
     # its source), the weights the step's acceptance curve uses (documents.source_balance); false: by rows
     balance_sources: bool = False
-    # blocks that repeat earlier text of their row (data/repeats.py: a looping answer, a list's stem) weigh this much
-    # in the loss, the others 1: below 1 spends the loss elsewhere (a one-layer drafter cannot copy; the demo: 0.5),
-    # above 1 pushes a deeper one to copy (4 did not). The replay's repeat split measures both; the check weighs alike
+    # blocks that repeat earlier text of their row (the 3 tokens ending at the anchor and the next one seen before:
+    # data/repeats.py; a looping answer, a list's stem) weigh this much in the loss, the others 1. Below 1 spends the
+    # loss elsewhere: a one-layer drafter cannot copy (the demo: 0.5); above 1 pushes a deeper one toward copying
+    # (4 did not teach two layers to). The replay's repeat split measures both. The check (val/, fit/) weighs all alike
     repeat_weight: float = Field(1.0, gt=0)
-    # each labelled slot's weight times the target's top-1 probability there to this power (kl's top-k); 0: none
-    confidence_power: float = Field(0.0, ge=0)
-    # U(-x, x) times each feature layer's RMS added to training steps' context features (EAGLE's noise); 0: none
+    # U(-x, x) times each feature layer's RMS added to the context features of training steps (EAGLE's noise;
+    # the check reads them clean); 0: none
     feature_noise: float = Field(0.0, ge=0)
     # dropout on each draft layer's attention and MLP outputs in training steps (the check and every engine read
     # the layers whole); 0: none
@@ -211,8 +211,6 @@ class ObjectiveConfig(_Section):
         if self.prefix_smoothing is not None and not self.prefix_weighting:
             raise ValueError("objective.prefix_smoothing is set but objective.prefix_weighting is false: it smooths "
                              "the weighting's probabilities; set prefix_weighting (true or expected_length) or drop it")
-        if self.confidence_power and self.loss != "kl":
-            raise ValueError("objective.confidence_power reads the kl loss's top-k: set objective.loss: kl or drop it")
         return self
 
 
@@ -227,12 +225,14 @@ class OptimConfig(_Section):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, ge=0)
-    # adamw: every weight; muon: the layers' projections and fc by Muon (orthogonalised momentum scaled to AdamW's
-    # RMS, so `lr` serves both), the head and norms by AdamW (train/optimizer.DeviceMuon; ZeRO 0, optimizer torch)
+    # adamw: every weight; muon: the draft layers' projections and fc step with Muon (orthogonalised momentum,
+    # its update scaled to AdamW's RMS so `lr` serves both), the LM head and the norms with AdamW
+    # (train/optimizer.DeviceMuon; needs engine.zero_stage 0 and engine.optimizer torch)
     algorithm: Literal["adamw", "muon"] = "adamw"
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     muon_ns_steps: int = Field(5, ge=1)  # Newton-Schulz iterations a step
-    muon_every: int = Field(1, ge=1)  # orthogonalise every this many steps, that update applied until the next
+    # orthogonalise every this many steps, that update applied until the next (the momentum takes every gradient)
+    muon_every: int = Field(1, ge=1)
     # normuon: each orthogonalised update divided, neuron by neuron, by the root of a running mean of its squares
     # (NorMuon, arXiv 2510.05491; its norm kept), so no neuron's step stays larger than the others' for long
     muon_variant: Literal["muon", "normuon"] = "muon"

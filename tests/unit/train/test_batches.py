@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from dflash_train.data.packing import Document
-from dflash_train.errors import ConfigError
 from dflash_train.model.config import DFlashConfig
 from dflash_train.model.modeling_dflash import DFlashDraftModel
 from dflash_train.model.train_layout import dense_training_mask
@@ -702,38 +701,3 @@ def test_repeat_weight_scales_the_blocks_that_repeat_earlier_text_and_reaches_tr
     assert torch.allclose(step.weights, plain.weights * torch.where(repeats, 4.0, 1.0)[:, None])
     check = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"), every_anchor=True)
     assert float(check.weights.max()) == 1.0
-
-
-def test_confidence_power_weighs_each_slot_by_the_targets_top1_probability_at_its_source_and_trains_only():
-    """objective.confidence_power p: a labelled slot k of the block at anchor a weighs (its plain weight) times
-    exp(top-1 log-prob at position a + k - 1)^p, the target's confidence in the token the slot predicts; the
-    held-out check weighs all alike; a recipe without the kl loss's top-k is refused by name."""
-    from dflash_train.train.loop import _microbatch
-    from dflash_train.train.recipe import load_recipe
-
-    docs = dict(zip([7, 9], random_docs([30, 41], seed=5), strict=True))
-    g = torch.Generator().manual_seed(6)
-    for d in docs.values():
-        top1 = -torch.rand(len(d), generator=g) * 3  # each position its own confidence, from e^-3 to 1
-        d.target_topk_ids = torch.stack([d.greedy_next, (d.greedy_next + 1) % V], 1).int()
-        d.target_topk_logp = torch.stack([top1, top1 - 1.0], 1).bfloat16()
-    base = ["objective.anchors_per_document=64", "objective.repeat_weight=1"]
-    plain = _microbatch(load_recipe("recipes/smollm2-135m-demo.yaml", base).recipe, Rows(docs), [7, 9], 0,
-                        torch.device("cpu"))
-    recipe = load_recipe("recipes/smollm2-135m-demo.yaml", [*base, "objective.confidence_power=2"]).recipe
-    step = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"))
-    assert torch.equal(plain.anchors, step.anchors) and int(step.valid.sum()) > 60
-    logp = torch.cat([d.target_topk_logp[:, 0].float() for d in docs.values()])
-    want = plain.weights.clone()
-    for n, k in step.valid.nonzero().tolist():
-        want[n, k] *= float(logp[int(step.anchors[n]) + k - 1].exp()) ** 2
-    torch.testing.assert_close(step.weights, want, rtol=1e-5, atol=1e-7)
-    assert float((step.weights[step.valid] / plain.weights[step.valid]).min()) < 0.01  # e^-6 at the least sure
-    check = _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"), every_anchor=True)
-    assert float(check.weights.max()) == 1.0
-    with pytest.raises(ConfigError, match="objective.confidence_power reads the kl loss's top-k"):
-        load_recipe("recipes/smollm2-135m-demo.yaml", [*base, "objective.loss=ce", "objective.confidence_power=1"])
-    for d in docs.values():  # documents without the top-k (a source built for ce)
-        d.target_topk_ids = d.target_topk_logp = None
-    with pytest.raises(ValueError, match="objective.confidence_power needs the target's top-k"):
-        _microbatch(recipe, Rows(docs), [7, 9], 0, torch.device("cpu"))

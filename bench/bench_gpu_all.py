@@ -31,7 +31,7 @@ from variants import commit  # bench/ is on sys.path: the script's own folder
 ROOT = Path(__file__).resolve().parents[1]
 MIN_PART_S = 20  # a part given less than this would only report its start-up
 PY = sys.executable
-FIRST_STEP_VARIANTS = ("flex-1", "flex-5", "train")  # the targets, before their baselines
+FIRST_STEP_VARIANTS = ("flex-1", "flex-5", "train", "train-v8k")  # the targets, before their baselines
 
 
 def default_plan() -> list[dict]:
@@ -53,9 +53,10 @@ def default_plan() -> list[dict]:
 
     for v in sorted(VARIANTS, key=lambda v: (v not in FIRST_STEP_VARIANTS, FIRST_STEP_VARIANTS.index(v)
                                              if v in FIRST_STEP_VARIANTS else 0)):
-        steps = ["--train-steps", "60"] if v == "train" else ["--steps", "10"]
+        train = v.startswith("train")
+        steps = ["--train-steps", "60"] if train else ["--steps", "10"]
         plan.append({"name": f"step:{v}", "argv": [PY, f"{bench}/bench_train_gpu.py", "--variant", v, *steps,
-                                                   "--json", "{rows}"], "max_s": 230 if v == "train" else 150})
+                                                   "--json", "{rows}"], "max_s": 230 if train else 150})
     return plan
 
 

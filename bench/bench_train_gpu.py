@@ -14,7 +14,8 @@ Variants (`--list`): split-1, flex-1, dense-1, split-5, flex-5, dense-5, flex-ck
 activation checkpointing); flex-1-eager and flex-5-eager (the LM head's epilogue and the layers'
 RMSNorm / SwiGLU / RoPE eager, as before issue 23's item 8), flex-5-eager-head and flex-5-eager-layers
 (one of the two eager): the baselines of the compiled parts (`objective.head`, `objective.layer_kernels`),
-which every other variant runs on a GPU; and train. Each runs in its own subprocess (its own peak memory) under
+which every other variant runs on a GPU; train, and train-v8k (the same run with a trained head of 8,192 ids
+instead of the target's frozen 49,152). Each runs in its own subprocess (its own peak memory) under
 `--timeout`; every finished variant appends one JSON line to `--json` at once, and a failed one (out
 of memory, a compile error, a timeout) is a row with its error while the run goes on (bench/variants.py).
 On the GPU machine run one or two variants per command (each fits its 10-minute limit).
@@ -73,8 +74,13 @@ def _about(layers: int, attention: str, checkpointing: bool, head: str, layer_op
             "Qwen3-8B drafter shapes (CPU smoke: tiny)")
 
 
+# the `dflash-train train` rows: the recipe's overrides of each. train-v8k: the head the CPU demo trains, the 8,192
+# most frequent ids of the rows, trained, instead of the target's frozen 49,152-row head: at B=16 on the CPU demo's
+# rows the two replay level (round 34), and on the H200 the full head is ~20 ms of the recipe's ~64 ms of kernels
+TRAIN_VARIANTS = {"train": {}, "train-v8k": {"drafter.draft_vocab_size": 8192, "drafter.train_lm_head": "true"}}
 VARIANTS = {**{k: _about(*v) for k, v in STEP_VARIANTS.items()},
-            "train": "dflash-train train on recipes/smollm2-135m-gpu.yaml: tokens/s (CPU smoke: 4 tiny steps)"}
+            "train": "dflash-train train on recipes/smollm2-135m-gpu.yaml: tokens/s (CPU smoke: 4 tiny steps)",
+            "train-v8k": "the same with a reduced head of 8,192 ids, trained (what the full frozen head costs)"}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -169,13 +175,14 @@ def run_variant(shape: Shape, attention: str, checkpointing: bool, steps: int, d
     return row
 
 
-def train_throughput(smoke: bool, steps: int, profile: int = 0) -> dict:
-    """`dflash-train train` on the SmolLM2 GPU recipe (no regeneration: throughput only): tokens/s
-    between the first train log entry (the first window holds compile and warm-up) and the one at `steps`;
-    then `profile` more steps under the profiler (the run's profile.json, as the row's `profile`)."""
+def train_throughput(smoke: bool, steps: int, profile: int = 0, overrides: dict | None = None) -> dict:
+    """`dflash-train train` on the SmolLM2 GPU recipe (no regeneration: throughput only), with `overrides`
+    (a TRAIN_VARIANTS entry): tokens/s between the first train log entry (the first window holds compile and
+    warm-up) and the one at `steps`; then `profile` more steps under the profiler (the run's profile.json, as
+    the row's `profile`)."""
     sets = {"data.regenerate.enabled": "false", "data.max_samples": 2000, "eval.enabled": "false",
             "logging.log_every": 10, "logging.eval_every": 10**6, "checkpoint.save_every": 10**6,
-            "logging.progress": "false"}
+            "logging.progress": "false", **(overrides or {})}
     if smoke:  # CPU: a 1-layer fp32 drafter with a small head on a few short rows, features computed once
         steps = 4
         sets.update({"data.source": "chitchat", "data.max_samples": 12, "data.max_length": 96,
@@ -203,6 +210,8 @@ def train_throughput(smoke: bool, steps: int, profile: int = 0) -> dict:
     return {"tokens_per_s": (last["tokens"] - first["tokens"]) / dt, "step_s": dt / (last["step"] - first["step"]),
             "steps": last["step"] - first["step"], "layers": int(sets.get("drafter.num_layers", 3)),
             "tokens_per_microbatch": int(sets.get("batch.tokens_per_microbatch", 8192)),
+            "draft_vocab": int(sets.get("drafter.draft_vocab_size", 49152)),
+            "head": "trained" if sets.get("drafter.train_lm_head") == "true" else "frozen",
             "features": sets.get("data.features", _recipe_value("data", "features")),
             **({"profile": profiled} if profiled else {})}
 
@@ -228,13 +237,15 @@ def _train_line(t: dict) -> str:
     if "error" in t:
         return f"`dflash-train train`: {t['error']}"
     return (f"`dflash-train train`, SmolLM2-135M target ({t['features']} features), {t['layers']} draft layer(s), "
-            f"B=16, {t['tokens_per_microbatch']}-token micro-batches, attention auto: {t['tokens_per_s']:,.0f} "
+            f"B=16, {t['tokens_per_microbatch']}-token micro-batches, a {t['head']} head of {t['draft_vocab']:,} ids, "
+            f"attention auto: {t['tokens_per_s']:,.0f} "
             f"tokens/s ({t['step_s']:.3f} s/step over {t['steps']} steps)")
 
 
 def _child(spec: dict) -> dict:
     if spec["kind"] == "train":
-        return train_throughput(spec["smoke"], spec["steps"], spec.get("profile", 0))
+        return train_throughput(spec["smoke"], spec["steps"], spec.get("profile", 0),
+                                TRAIN_VARIANTS[spec.get("variant", "train")])
     return run_variant(Shape(**spec["shape"]), spec["attention"], spec["checkpointing"], spec["steps"],
                        spec["device"], spec.get("head", "auto"), spec.get("layer_ops", "auto"), spec.get("profile", 0))
 
@@ -268,9 +279,9 @@ def main() -> None:
                "smoke": smoke, "matmul_flops_per_s": rate}
 
     def run_one(variant: str) -> dict:
-        if variant == "train":
-            return run_child(__file__, {"kind": "train", "smoke": smoke, "steps": args.train_steps,
-                                        "profile": args.profile}, args.timeout)
+        if variant in TRAIN_VARIANTS:
+            return run_child(__file__, {"kind": "train", "variant": variant, "smoke": smoke,
+                                        "steps": args.train_steps, "profile": args.profile}, args.timeout)
         layers, attention, checkpointing, head, layer_ops = STEP_VARIANTS[variant]
         label = {"layers": layers, "attention": _label(attention, checkpointing, head, layer_ops)}
         if attention == "flex" and device == "cpu":
@@ -284,7 +295,7 @@ def main() -> None:
 
     def show(variant: str, row: dict) -> None:
         nonlocal header
-        if variant == "train":
+        if variant in TRAIN_VARIANTS:
             print("\n" + _train_line(row), flush=True)
             if "profile" in row:
                 print("\n".join(profile_lines(row["profile"])), flush=True)

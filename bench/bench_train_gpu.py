@@ -211,7 +211,7 @@ def train_throughput(smoke: bool, steps: int, profile: int = 0, overrides: dict 
     return {"tokens_per_s": (last["tokens"] - first["tokens"]) / dt, "step_s": dt / (last["step"] - first["step"]),
             "steps": last["step"] - first["step"], "layers": int(sets.get("drafter.num_layers", 3)),
             "tokens_per_microbatch": int(sets.get("batch.tokens_per_microbatch", 8192)),
-            "draft_vocab": int(sets.get("drafter.draft_vocab_size", 49152)),
+            "draft_vocab": sets.get("drafter.draft_vocab_size"),  # None: the target's whole vocabulary
             "head": "trained" if sets.get("drafter.train_lm_head") == "true" else "frozen",
             "features": sets.get("data.features", _recipe_value("data", "features")),
             **({"profile": profiled} if profiled else {})}
@@ -237,8 +237,9 @@ def _step_row(r: dict, rate: float) -> str:
 def _train_line(t: dict) -> str:
     if "error" in t:
         return f"`dflash-train train`: {t['error']}"
+    head = f"a {t['head']} head of {t['draft_vocab']:,} ids" if t["draft_vocab"] else "the target's head, frozen"
     return (f"`dflash-train train`, SmolLM2-135M target ({t['features']} features), {t['layers']} draft layer(s), "
-            f"B=16, {t['tokens_per_microbatch']}-token micro-batches, a {t['head']} head of {t['draft_vocab']:,} ids, "
+            f"B=16, {t['tokens_per_microbatch']}-token micro-batches, {head}, "
             f"attention auto: {t['tokens_per_s']:,.0f} "
             f"tokens/s ({t['step_s']:.3f} s/step over {t['steps']} steps)")
 

@@ -49,11 +49,11 @@ def default_plan() -> list[dict]:
             {"name": "regen", "argv": [PY, f"{bench}/bench_gpu_data.py", "--variant", "regen", "--variant",
                                        "regen-eager", "--variant", "regen-generate", "--json", "{rows}"], "max_s": 300},
             {"name": "head", "argv": [PY, f"{bench}/bench_head.py"], "max_s": 90}]
-    from bench_train_gpu import VARIANTS  # the bench's own registry: a new variant joins the plan
+    from bench_train_gpu import TRAIN_VARIANTS, VARIANTS  # the bench's own registry: a new variant joins the plan
 
     for v in sorted(VARIANTS, key=lambda v: (v not in FIRST_STEP_VARIANTS, FIRST_STEP_VARIANTS.index(v)
                                              if v in FIRST_STEP_VARIANTS else 0)):
-        train = v.startswith("train")
+        train = v in TRAIN_VARIANTS  # `dflash-train train` rows: optimizer steps, a longer part
         steps = ["--train-steps", "60"] if train else ["--steps", "10"]
         plan.append({"name": f"step:{v}", "argv": [PY, f"{bench}/bench_train_gpu.py", "--variant", v, *steps,
                                                    "--json", "{rows}"], "max_s": 230 if train else 150})

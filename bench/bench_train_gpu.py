@@ -78,7 +78,7 @@ def _about(layers: int, attention: str, checkpointing: bool, head: str, layer_op
 # 8,192 most frequent ids of the rows, trained, instead of the target's frozen 49,152-row head; at B=16 on the CPU
 # demo's rows a reduced trained head replays level with the full one or above it (docs/results, round 34), and on the
 # H200 the full head's epilogue alone was 10.6 ms of the recipe's 85.7 ms step (3259f27): the ratio of the two rows
-TRAIN_VARIANTS = {"train": {}, "train-v8k": {"drafter.draft_vocab_size": 8192, "drafter.train_lm_head": "true"}}
+TRAIN_VARIANTS = {"train": {}, "train-v8k": {"drafter.draft_vocab_size": 8192, "drafter.train_lm_head": True}}
 VARIANTS = {**{k: _about(*v) for k, v in STEP_VARIANTS.items()},
             "train": "dflash-train train on recipes/smollm2-135m-gpu.yaml: tokens/s (CPU smoke: 4 tiny steps)",
             "train-v8k": "the same with a reduced head of 8,192 ids, trained (what the full frozen head costs)"}
@@ -212,7 +212,7 @@ def train_throughput(smoke: bool, steps: int, profile: int = 0, overrides: dict 
             "steps": last["step"] - first["step"], "layers": int(sets.get("drafter.num_layers", 3)),
             "tokens_per_microbatch": int(sets.get("batch.tokens_per_microbatch", 8192)),
             "draft_vocab": sets.get("drafter.draft_vocab_size"),  # None: the target's whole vocabulary
-            "head": "trained" if sets.get("drafter.train_lm_head") == "true" else "frozen",
+            "head": "trained" if sets.get("drafter.train_lm_head") else "frozen",
             "features": sets.get("data.features", _recipe_value("data", "features")),
             **({"profile": profiled} if profiled else {})}
 

@@ -14,8 +14,8 @@ Variants (`--list`): split-1, flex-1, dense-1, split-5, flex-5, dense-5, flex-ck
 activation checkpointing); flex-1-eager and flex-5-eager (the LM head's epilogue and the layers'
 RMSNorm / SwiGLU / RoPE eager, as before issue 23's item 8), flex-5-eager-head and flex-5-eager-layers
 (one of the two eager): the baselines of the compiled parts (`objective.head`, `objective.layer_kernels`),
-which every other variant runs on a GPU; train, and train-v8k (the same run with a trained head of 8,192 ids
-instead of the target's frozen 49,152). Each runs in its own subprocess (its own peak memory) under
+which every other variant runs on a GPU; train, train-v8k (the same run with a trained head of 8,192 ids
+instead of the target's frozen 49,152) and train-all-slots (every slot of a block trained, not the recipe's 1-7). Each runs in its own subprocess (its own peak memory) under
 `--timeout`; every finished variant appends one JSON line to `--json` at once, and a failed one (out
 of memory, a compile error, a timeout) is a row with its error while the run goes on (bench/variants.py).
 On the GPU machine run one or two variants per command (each fits its 10-minute limit).
@@ -78,10 +78,14 @@ def _about(layers: int, attention: str, checkpointing: bool, head: str, layer_op
 # 8,192 most frequent ids of the rows, trained, instead of the target's frozen 49,152-row head; at B=16 on the CPU
 # demo's rows a reduced trained head replays level with the full one or above it (docs/results, round 34), and on the
 # H200 the full head's epilogue alone was 10.6 ms of the recipe's 85.7 ms step (3259f27): the ratio of the two rows
-TRAIN_VARIANTS = {"train": {}, "train-v8k": {"drafter.draft_vocab_size": 8192, "drafter.train_lm_head": True}}
+# train-all-slots: every slot of a block trained (objective.trained_slots null) instead of the recipe's 1..7: the
+# ratio of the two rows is what the recipe's cut saves a GPU step (the head and the last layer's MLP over 7 of 15 slots)
+TRAIN_VARIANTS = {"train": {}, "train-v8k": {"drafter.draft_vocab_size": 8192, "drafter.train_lm_head": True},
+                  "train-all-slots": {"objective.trained_slots": "null"}}
 VARIANTS = {**{k: _about(*v) for k, v in STEP_VARIANTS.items()},
             "train": "dflash-train train on recipes/smollm2-135m-gpu.yaml: tokens/s (CPU smoke: 4 tiny steps)",
-            "train-v8k": "the same with a reduced head of 8,192 ids, trained (what the full frozen head costs)"}
+            "train-v8k": "the same with a reduced head of 8,192 ids, trained (what the full frozen head costs)",
+            "train-all-slots": "the same with every slot of a block trained (what objective.trained_slots saves)"}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -214,13 +218,14 @@ def train_throughput(smoke: bool, steps: int, profile: int = 0, overrides: dict 
             "draft_vocab": sets.get("drafter.draft_vocab_size"),  # None: the target's whole vocabulary
             "head": "trained" if sets.get("drafter.train_lm_head") else "frozen",
             "features": sets.get("data.features", _recipe_value("data", "features")),
+            "trained_slots": str(sets.get("objective.trained_slots", _recipe_value("objective", "trained_slots"))),
             **({"profile": profiled} if profiled else {})}
 
 
 def _recipe_value(section: str, key: str) -> str:
     import yaml
 
-    return str(yaml.safe_load((ROOT / "recipes" / "smollm2-135m-gpu.yaml").read_text())[section][key])
+    return str(yaml.safe_load((ROOT / "recipes" / "smollm2-135m-gpu.yaml").read_text())[section].get(key))
 
 
 def _step_row(r: dict, rate: float) -> str:
@@ -238,8 +243,9 @@ def _train_line(t: dict) -> str:
     if "error" in t:
         return f"`dflash-train train`: {t['error']}"
     head = f"a {t['head']} head of {t['draft_vocab']:,} ids" if t["draft_vocab"] else "the target's head, frozen"
+    slots = "every slot" if t.get("trained_slots", "None") in ("None", "null") else f"slots 1-{t['trained_slots']}"
     return (f"`dflash-train train`, SmolLM2-135M target ({t['features']} features), {t['layers']} draft layer(s), "
-            f"B=16, {t['tokens_per_microbatch']}-token micro-batches, {head}, "
+            f"B=16 ({slots} trained), {t['tokens_per_microbatch']}-token micro-batches, {head}, "
             f"attention auto: {t['tokens_per_s']:,.0f} "
             f"tokens/s ({t['step_s']:.3f} s/step over {t['steps']} steps)")
 

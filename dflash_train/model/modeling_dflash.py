@@ -174,26 +174,28 @@ class DFlashAttention(nn.Module):
         return self._out(o)
 
     # training: many blocks over a packed context ----------------------------------------------
-    def forward_train(self, h, cos, sin, ctx_k, ctx_v, layout: TrainLayout, attention: str, first_query: int = 0):
-        """h [N, B, H]; ctx_k/v [Hkv, T, d]. Returns [N, B - first_query, H]: the outputs of slots
-        first_query.. (every slot's keys and values are still read). Split attention computes only those
-        slots' queries; flex and dense compute every slot and drop the first ones."""
+    def forward_train(self, h, cos, sin, ctx_k, ctx_v, layout: TrainLayout, attention: str, first_query: int = 0,
+                      end_query: int | None = None):
+        """h [N, B, H]; ctx_k/v [Hkv, T, d]. Returns [N, end_query - first_query, H]: the outputs of slots
+        first_query..end_query - 1 (end_query None: B; every slot's keys and values are still read). Split
+        attention computes only those slots' queries; flex and dense compute every slot and keep those."""
         k_blk, v_blk = self.project_kv(h, cos, sin)  # [N, Hkv, B, d]
-        q_from = first_query if attention == "split" else 0
-        q = self.project_queries(h[:, q_from:], cos[:, q_from:], sin[:, q_from:])  # [N, Hq, B - q_from, d]
+        end = h.shape[1] if end_query is None else end_query
+        q_from, q_to = (first_query, end) if attention == "split" else (0, h.shape[1])
+        q = self.project_queries(h[:, q_from:q_to], cos[:, q_from:q_to], sin[:, q_from:q_to])  # [N, Hq, q_to - q_from, d]
         if attention == "flex":  # the kernel reads the shared kv heads itself (GQA)
             from dflash_train.model.flex import flex_training_attention
 
             o = flex_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout.flex_mask(self.window), self.scale)
-            return self._out(o[:, :, first_query:])
+            return self._out(o[:, :, first_query:end])
         # split and dense, like flex, take the shared kv heads: each expands them only where it needs to
         if attention == "split":
-            return self._out(self._split_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from))
+            return self._out(self._split_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from, q_to))
         if attention == "dense":
-            return self._out(self._dense_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)[:, :, first_query:])
+            return self._out(self._dense_attention(q, k_blk, v_blk, ctx_k, ctx_v, layout)[:, :, first_query:end])
         raise ValueError(f"attention {attention!r}: choose split, dense or flex")
 
-    def _split_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from: int = 0):
+    def _split_attention(self, q, k_blk, v_blk, ctx_k, ctx_v, layout, q_from: int = 0, q_to: int | None = None):
         """Exact attention without the dense mask: one softmax over [own context ; own block].
 
         Blocks are taken a run at a time (`layout.segments()`: at most `chunk_blocks` blocks of
@@ -207,13 +209,14 @@ class DFlashAttention(nn.Module):
         waited on); otherwise each run is computed on its own and, when
         gradients are needed, checkpointed: its scores and probabilities are freed after the
         forward and recomputed in the backward, so memory holds one run's scores, not every
-        block's. `q` holds the queries of slots q_from.. only; the keys and values keep their shared heads
-        (`_attend_grid` reads them as they are, the runs one by one expand them).
+        block's. `q` holds the queries of slots q_from..q_to - 1 only (q_to None: to the block's end); the keys and
+        values keep their shared heads (`_attend_grid` reads them as they are, the runs one by one expand them).
         """
+        q_to = k_blk.shape[-2] if q_to is None else q_to
         blk_ok = layout.block_allowed(self.window)
-        blk_ok = None if blk_ok is None else blk_ok[q_from:]
+        blk_ok = None if blk_ok is None else blk_ok[q_from:q_to]
         if layout.grid is not None:  # a grid built beforehand in shapes that do not pin a compiled graph
-            return self._attend_grid(q, k_blk, v_blk, ctx_k, ctx_v, layout.grid, q_from, blk_ok)
+            return self._attend_grid(q, k_blk, v_blk, ctx_k, ctx_v, layout.grid, q_from, blk_ok, q_to)
         runs, per_run, span, run_pairs = layout.grid_size()  # host numbers: the grid is built only when taken
         per_pair = q.shape[1] * q.shape[2]  # scores per (block, context token): heads x queries
         grid = runs * per_run * max(1, span) * per_pair
@@ -221,12 +224,12 @@ class DFlashAttention(nn.Module):
                 grid - run_pairs * per_pair <= (runs - 1) * SPLIT_GRID_PADDING_PER_RUN):
             return self._attend_grid(q, k_blk, v_blk, ctx_k, ctx_v,
                                      layout.padded_runs(self.window, bucket=row_buckets.compiles_per_shape(q)),
-                                     q_from, blk_ok)
+                                     q_from, blk_ok, q_to)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_blk, v_blk, ctx_k, ctx_v))
         ctx_k, ctx_v, k_blk, v_blk = (self._expand_kv(x) for x in (ctx_k, ctx_v, k_blk, v_blk))
         outs = []
         for lo, hi, c0, c1 in layout.segments():
-            allowed = layout.context_allowed(self.window, lo, hi, c0, c1)[:, :, q_from:]
+            allowed = layout.context_allowed(self.window, lo, hi, c0, c1)[:, :, q_from:q_to]
             args = (q[lo:hi], k_blk[lo:hi], v_blk[lo:hi], ctx_k[:, c0:c1], ctx_v[:, c0:c1], allowed, blk_ok)
             if grad:
                 outs.append(torch.utils.checkpoint.checkpoint(self._attend_run, *args, use_reentrant=False))
@@ -234,7 +237,7 @@ class DFlashAttention(nn.Module):
                 outs.append(self._attend_run(*args))
         return torch.cat(outs, dim=0)
 
-    def _attend_grid(self, q, k_blk, v_blk, ctx_k, ctx_v, grid: GridRuns, q_from, blk_ok):
+    def _attend_grid(self, q, k_blk, v_blk, ctx_k, ctx_v, grid: GridRuns, q_from, blk_ok, q_to=None):
         """Every run at once: the blocks' queries scattered into a grid of runs, scored against each run's
         context span gathered into [R, Hkv, L, d], the scores gathered back per block for the same one softmax
         over [own context ; own block] as `_attend_run`, and the probabilities scattered into the grid again for
@@ -264,7 +267,7 @@ class DFlashAttention(nn.Module):
         kc = ctx_k.index_select(1, flat).unflatten(1, ctx_index.shape).transpose(0, 1)  # [R, Hkv, L, d]
         vc = ctx_v.index_select(1, flat).unflatten(1, ctx_index.shape).transpose(0, 1)
         s_ctx = from_grid(to_grid(q) @ kc.mT) * self.scale
-        s_ctx = s_ctx.masked_fill(~ctx_ok[:, :, q_from:], float("-inf"))
+        s_ctx = s_ctx.masked_fill(~ctx_ok[:, :, q_from:q_to], float("-inf"))
         s_blk = (q.reshape(n, kv, groups * bq, d) @ k_blk.mT).view(n, h, bq, -1) * self.scale
         if blk_ok is not None:
             s_blk = s_blk.masked_fill(~blk_ok, float("-inf"))
@@ -317,10 +320,11 @@ class DFlashDecoderLayer(nn.Module):
                                                         ctx_positions, block_positions))
         return self._mlp_residual(h)
 
-    def forward_train(self, h, cos, sin, ctx_k, ctx_v, layout, attention, first_query: int = 0):
-        """[N, B, H] -> [N, B - first_query, H]: the outputs of slots first_query.."""
-        h = h[:, first_query:] + self._drop(self.self_attn.forward_train(self.input_layernorm(h), cos, sin, ctx_k,
-                                                                         ctx_v, layout, attention, first_query))
+    def forward_train(self, h, cos, sin, ctx_k, ctx_v, layout, attention, first_query: int = 0,
+                      end_query: int | None = None):
+        """[N, B, H] -> [N, end_query - first_query, H]: the outputs of slots first_query..end_query - 1 (None: B)."""
+        h = h[:, first_query:end_query] + self._drop(self.self_attn.forward_train(
+            self.input_layernorm(h), cos, sin, ctx_k, ctx_v, layout, attention, first_query, end_query))
         return self._mlp_residual(h)
 
 
@@ -487,7 +491,8 @@ class DFlashDraftModel(nn.Module):
 
     # training -------------------------------------------------------------------------------
     def forward_train(self, features: torch.Tensor, block_embeds: torch.Tensor, layout: TrainLayout,
-                      attention: str = "split", anchor_slot: bool = True) -> torch.Tensor:
+                      attention: str = "split", anchor_slot: bool = True,
+                      trained_slots: int | None = None) -> torch.Tensor:
         """Many blocks over one packed sequence.
 
         features [T, n_aux*H_t] context features of the packed sequence; block_embeds [N, B, H];
@@ -495,6 +500,9 @@ class DFlashDraftModel(nn.Module):
         [N, B - 1, H] without the anchor's slot (anchor_slot=False): slot 0 holds the given token, never
         a prediction, so the last layer needs its keys and values only; split attention then skips its
         query, attention row, output projection and MLP (a quarter of the last layer's block work at B=4).
+        trained_slots D: the last layer's outputs stop at slot D ([N, D, H] without the anchor's slot,
+        [N, D + 1, H] with it); every slot's keys and values are still read, as served
+        (`objective.trained_slots`).
         """
         ctx = self.project_context(features)
         ctx_cos, ctx_sin = self.rotary_emb(layout.ctx_positions, ctx.dtype)
@@ -504,7 +512,8 @@ class DFlashDraftModel(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             first_query = 0 if anchor_slot or i < last else 1
-            args = (layer, h, cos, sin, ctx, ctx_cos, ctx_sin, layout, attention, first_query)
+            end_query = None if trained_slots is None or i < last else trained_slots + 1
+            args = (layer, h, cos, sin, ctx, ctx_cos, ctx_sin, layout, attention, first_query, end_query)
             h = (torch.utils.checkpoint.checkpoint(_train_layer, *args, use_reentrant=False) if checkpoint
                  else _train_layer(*args))
         return self.norm(h)
@@ -527,9 +536,9 @@ class DFlashDraftModel(nn.Module):
                     lin.weight.mul_(1.0 / math.sqrt(2 * len(self.layers)))
 
 
-def _train_layer(layer, h, cos, sin, ctx, ctx_cos, ctx_sin, layout, attention, first_query=0):
+def _train_layer(layer, h, cos, sin, ctx, ctx_cos, ctx_sin, layout, attention, first_query=0, end_query=None):
     ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
-    return layer.forward_train(h, cos, sin, ctx_k, ctx_v, layout, attention, first_query)
+    return layer.forward_train(h, cos, sin, ctx_k, ctx_v, layout, attention, first_query, end_query)
 
 
 def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:

@@ -121,12 +121,15 @@ def anchor_generator(seed: int, epoch: int, row: int) -> torch.Generator:
 
 
 def labelled_slots(anchors: torch.Tensor, loss_mask: torch.Tensor, doc_end: torch.Tensor,
-                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   block_size: int, trained_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(valid [N, B]: slot k of block n carries a label, position a+k [N, B] clamped into the row).
-    Host tensors: which slots are labelled never depends on label values."""
+    Host tensors: which slots are labelled never depends on label values. trained_slots D: slots past D carry
+    none (`objective.trained_slots`)."""
     k = torch.arange(block_size)
     pos = anchors[:, None] + k  # a + k
     valid = (k[None, :] >= 1) & (pos < doc_end[:, None])
+    if trained_slots is not None:
+        valid &= k[None, :] <= trained_slots
     safe = pos.clamp(max=loss_mask.numel() - 1)
     valid &= loss_mask.bool()[safe]
     return valid, safe
@@ -134,7 +137,7 @@ def labelled_slots(anchors: torch.Tensor, loss_mask: torch.Tensor, doc_end: torc
 
 def block_labels(anchors: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                  greedy_next: torch.Tensor | None, doc_end: torch.Tensor, block_size: int,
-                 labels: str = "greedy") -> tuple[torch.Tensor, torch.Tensor]:
+                 labels: str = "greedy", trained_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels [N, B] (IGNORE where no loss) and source positions [N, B] (a+k-1, the position whose
     target prediction is the label; used to gather target logits for KL).
 
@@ -144,7 +147,7 @@ def block_labels(anchors: torch.Tensor, input_ids: torch.Tensor, loss_mask: torc
     """
     from dflash_train.data.packing import to_device
 
-    valid, safe = labelled_slots(anchors, loss_mask, doc_end, block_size)
+    valid, safe = labelled_slots(anchors, loss_mask, doc_end, block_size, trained_slots)
     src = (safe - 1).clamp(min=0)
     if labels == "greedy":
         if greedy_next is None:

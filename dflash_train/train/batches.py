@@ -59,6 +59,8 @@ class MicroBatch:
     valid: torch.Tensor | None = None  # [N, B] bool, host: the slots that carry a label
     # [N] float, host: candidates of the block's document / blocks placed there (1 for given anchors)
     block_weight: torch.Tensor | None = None
+    # slots 1..trained_slots alone carry labels, and the drafter's last layer computes those alone (None: all)
+    trained_slots: int | None = None
 
     def __post_init__(self):
         if self.valid is None:
@@ -87,7 +89,8 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
                      context_pad: int | None = None, row_weight: dict[int, float] | None = None,
                      loss_row_weight: dict[int, float] | None = None,
                      feature_noise: tuple[float, int] | None = None,
-                     prompt_from: int | None = None, repeat_weight: float | None = None) -> MicroBatch:
+                     prompt_from: int | None = None, repeat_weight: float | None = None,
+                     trained_slots: int | None = None) -> MicroBatch:
     """Pack `docs` (prepared rows `rows`) and lay out their blocks.
 
     Documents that carry the target's top-k (kl loss) give the micro-batch the top-k of the
@@ -109,7 +112,11 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     the answers' slots keep the dataset's tokens: anchors.with_prompt_positions).
     repeat_weight: a factor on the slot weights of blocks whose anchor repeats earlier text of its document
     (data/repeats.py; `objective.repeat_weight`).
+    trained_slots: only slots 1..trained_slots of each block carry a label (`objective.trained_slots`); the
+    blocks keep every slot, as served.
     """
+    if trained_slots is not None and trained_slots >= block_size - 1:
+        trained_slots = None  # every predicted slot
     if prompt_from is not None:  # dataset labels keep the answers' tokens and take the target's on the prompts
         docs = [with_prompt_positions(d, prompt_from, answers_from_dataset=labels == "dataset") for d in docs]
         labels = "greedy"
@@ -138,8 +145,8 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     per_doc = [a.long() + s for a, s in zip(in_doc, starts, strict=True)]
     anchors = torch.cat(per_doc) if per_doc else torch.zeros(0, dtype=torch.long)
     lab, src = block_labels(anchors, packed.input_ids, packed.loss_mask, packed.greedy_next,
-                            packed.doc_end[anchors], block_size, labels)
-    valid, _ = labelled_slots(anchors, packed.loss_mask, packed.doc_end[anchors], block_size)
+                            packed.doc_end[anchors], block_size, labels, trained_slots)
+    valid, _ = labelled_slots(anchors, packed.loss_mask, packed.doc_end[anchors], block_size, trained_slots)
     weights = slot_weights(block_size, gamma)[None, :].expand_as(valid) * valid
     if loss_row_weight:
         per_block = [torch.full((a.numel(),), loss_row_weight[row]) for a, row in zip(per_doc, rows, strict=True)]
@@ -154,7 +161,7 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
         at = src[valid]  # host tensors: the gather index is known without reading the device
         target_topk = (packed.target_topk_ids[to_device(at, packed.target_topk_ids.device)],
                        packed.target_topk_logp[to_device(at, packed.target_topk_logp.device)])
-    return MicroBatch(packed, anchors, lab, weights, layout, target_topk, valid, block_weight)
+    return MicroBatch(packed, anchors, lab, weights, layout, target_topk, valid, block_weight, trained_slots)
 
 
 def head_weight(model: DFlashDraftModel) -> torch.Tensor:
@@ -252,13 +259,15 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
     first = mb.packed.input_ids[mb.anchors]
     embeds = model.embed(to_device(model.block_ids(first)[:, : mb.labels.shape[1]], device))
     layout = mb.layout.to(device)
-    # slot 0 (the anchor's given token) is never labelled: the drafter skips its outputs, [N, B - 1, H]
+    # slot 0 (the anchor's given token) is never labelled: the drafter skips its outputs, [N, D, H] for the
+    # D = B - 1 predicted slots (or the first `mb.trained_slots` of them)
     hidden = model.forward_train(to_device(mb.packed.features, device), embeds, layout, attention=attention,
-                                 anchor_slot=False)
+                                 anchor_slot=False, trained_slots=mb.trained_slots)
     width = mb.labels.shape[1]
+    depth = hidden.shape[1]
     labels, w, keep, target = slot_targets(model, mb, index, loss=loss, kl_temperature=kl_temperature)
     with full_head_weight(model) as weight:
-        rows = hidden.flatten(0, 1).index_select(0, index - index // width - 1)  # block n, slot k: n(B-1) + k-1
+        rows = hidden.flatten(0, 1).index_select(0, index // width * depth + index % width - 1)  # n D + k - 1
         reweight = None
         if prefix_weighting:  # a label outside a reduced vocabulary is never drafted: probability 0
             shape = tuple(mb.labels.shape)

@@ -84,16 +84,18 @@ def resolve(choice: str, model: DFlashDraftModel, recipe, *, attention: str, dev
 def forward_loss(model: DFlashDraftModel, features: torch.Tensor, block_ids: torch.Tensor, layout,
                  labels: torch.Tensor, weights: torch.Tensor, labelled: torch.Tensor, keep: torch.Tensor,
                  target_ids: torch.Tensor | None, target_p: torch.Tensor | None, kind: str, prefix_weighting: bool,
-                 smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted loss sum, argmax draft ids [N, B - 1]) of blocks `block_ids` [N, B] over `features` [T, F].
+                 smoothing: float, trained_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted loss sum, argmax draft ids [N, D]) of blocks `block_ids` [N, B] over `features` [T, F].
 
-    Per predicted slot (slots 1..B-1 of every block): labels [N, B - 1] draft ids (0 where none), weights the
+    Per predicted slot (slots 1..D of every block, D = B - 1 or `trained_slots`): labels [N, D] draft ids (0 where
+    none), weights the
     slot's loss weight (0 where it has no label or the label is not scored), labelled: whether it carries a label,
     keep: whether its label can be drafted. kl: target_ids / target_p [N, B - 1, k], the teacher (`topk_soft_targets`;
     p = 0 where unlabelled). prefix_weighting: each slot's weight times the drafter's own chance (no gradient)
     that the labelled slots before it in its block are right, as `loss.accepted_prefix_weights` with `smoothing`:
     a label the vocabulary lacks is never drafted (0), a slot without a label passes (1)."""
-    hidden = model.forward_train(features, model.embed(block_ids), layout, attention="split", anchor_slot=False)
+    hidden = model.forward_train(features, model.embed(block_ids), layout, attention="split", anchor_slot=False,
+                                 trained_slots=trained_slots)
     logits = model.logits(hidden).float()
     logp = torch.log_softmax(logits, -1)
     if kind == "kl":
@@ -147,20 +149,21 @@ def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_wei
     host_index = mb.valid.flatten().nonzero().squeeze(1)  # the labelled slots' flat positions in [N, width]
     index = to_device(host_index, device)
     n_pad = row_buckets.rows(n)  # blocks added (weight 0) so that the matmuls meet a few row counts
-    slots = n_pad * (width - 1)
-    slot_rows = to_device(host_index - host_index // width - 1, device)  # their predicted slots in [N, width - 1]
+    depth = width - 1 if mb.trained_slots is None else mb.trained_slots  # the predicted slots the graph computes
+    slots = n_pad * depth
+    slot_rows = to_device(host_index // width * depth + host_index % width - 1, device)  # in [N, depth]
     labels_m, w_m, keep_m, target = batches.slot_targets(model, mb, index, loss=loss, kl_temperature=kl_temperature)
     w_m = w_m * keep_m
     target_ids = target_p = None
     if target is not None:
         tids, p = target
         k = tids.shape[1]
-        target_ids = tids.new_zeros(slots, k).index_copy(0, slot_rows, tids).view(n_pad, width - 1, k)
-        target_p = p.new_zeros(slots, k).index_copy(0, slot_rows, p).view(n_pad, width - 1, k)
+        target_ids = tids.new_zeros(slots, k).index_copy(0, slot_rows, tids).view(n_pad, depth, k)
+        target_p = p.new_zeros(slots, k).index_copy(0, slot_rows, p).view(n_pad, depth, k)
 
     def per_slot(values: torch.Tensor, fill=0) -> torch.Tensor:
         return torch.full((slots,), fill, dtype=values.dtype, device=device).index_copy(0, slot_rows, values).view(
-            n_pad, width - 1)
+            n_pad, depth)
 
     labels = per_slot(labels_m.clamp(min=0))
     weights, labelled, keep = per_slot(w_m.float()), per_slot(torch.ones_like(keep_m), False), per_slot(keep_m, False)
@@ -168,7 +171,8 @@ def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_wei
     layout = layout.to(device)  # the layout itself on a CPU
     block_ids = model.block_ids(torch.cat([mb.packed.input_ids[mb.anchors], mb.anchors.new_zeros(n_pad - n)]))
     args = (model, to_device(features, device), to_device(block_ids[:, :width], device), layout, labels,
-            weights, labelled, keep, target_ids, target_p, loss, bool(prefix_weighting), float(prefix_smoothing or 0.0))
+            weights, labelled, keep, target_ids, target_p, loss, bool(prefix_weighting), float(prefix_smoothing or 0.0),
+            mb.trained_slots)
     if compile:
         _symbolic(layout)
         dims = {1: [0], 2: [0], 4: [0], 5: [0], 6: [0], 7: [0]} | ({8: [0], 9: [0]} if loss == "kl" else {})

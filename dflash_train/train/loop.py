@@ -118,6 +118,7 @@ def _microbatch(recipe: TrainRecipe, source: DocumentSource, rows: list[int], ep
                             feature_noise=None if every_anchor else (o.feature_noise, recipe.drafter.num_features),
                             prompt_from=source.prompt_start() if o.positions == "all" and not every_anchor else None,
                             repeat_weight=None if every_anchor else o.repeat_weight,
+                            trained_slots=None if every_anchor else o.trained_slots,
                             anchors=[anchor_candidates(d.loss_mask) for d in docs] if every_anchor else None)
 
 

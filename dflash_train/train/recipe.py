@@ -176,11 +176,11 @@ class ObjectiveConfig(_Section):
     # a mixture's sources count alike in the loss: each block's slot weights times rows / (sources x rows of
     # its source), the weights the step's acceptance curve uses (documents.source_balance); false: by rows
     balance_sources: bool = False
-    # blocks that repeat earlier text of their row (the 3 tokens ending at the anchor and the next one seen before:
-    # data/repeats.py; a looping answer, a list's stem) weigh this much in the loss, the others 1. Below 1 spends the
-    # loss elsewhere: a one-layer drafter cannot copy (the demo: 0.5); above 1 pushes a deeper one toward copying
-    # (4 did not teach two layers to). The replay's repeat split measures both. The check (val/, fit/) weighs all alike
+    # blocks that repeat earlier text of their row (data/repeats.py: a looping answer, a list's stem) weigh this much
+    # in the loss, the others 1. Below 1 spends the loss elsewhere: a one-layer drafter cannot copy (the demo: 0.5);
+    # above 1 pushes a deeper one toward copying (4 did not teach two). The check (val/, fit/) weighs all alike
     repeat_weight: float = Field(1.0, gt=0)
+    trained_slots: int | None = Field(None, ge=1)  # train slots 1..N alone: the last layer computes those; null: all
     # U(-x, x) times each feature layer's RMS added to the context features of training steps (EAGLE's noise;
     # the check reads them clean); 0: none
     feature_noise: float = Field(0.0, ge=0)

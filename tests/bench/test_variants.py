@@ -26,7 +26,7 @@ def _rows(path):
 @pytest.mark.parametrize("script, names", [
     ("bench_train_gpu.py", ["split-1", "flex-1", "dense-1", "split-5", "flex-5", "dense-5", "flex-ckpt-5",
                            "flex-1-eager", "flex-5-eager", "flex-5-eager-head", "flex-5-eager-layers", "train",
-                           "train-v8k"]),
+                           "train-v8k", "train-all-slots"]),
     ("bench_gpu_data.py", ["regen", "regen-f25d61f", "regen-generate", "regen-eager", "features"])])
 def test_list_prints_every_variant_and_an_unknown_one_is_refused(script, names):
     out = _bench(script, "--list", timeout=60)
@@ -63,12 +63,13 @@ def test_each_variant_appends_its_row_and_a_failure_is_a_row_too(tmp_path):
 @pytest.mark.slow
 def test_the_train_variant_profiles_steps_after_its_timed_ones(tmp_path):
     """`--profile N` on `train`: the same `dflash-train train` run goes N steps further under the profiler
-    (logging.profile_steps), and its profile.json is the row's `profile`; `train-v8k` trains its head."""
+    (logging.profile_steps), and its profile.json is the row's `profile`; `train-v8k` trains its head,
+    `train-all-slots` every slot of a block."""
     rows = tmp_path / "rows.jsonl"
-    out = _bench("bench_train_gpu.py", "--smoke", "--variant", "train", "--variant", "train-v8k", "--profile", "2",
-                 "--json", rows)
+    out = _bench("bench_train_gpu.py", "--smoke", "--variant", "train", "--variant", "train-v8k", "--variant",
+                 "train-all-slots", "--profile", "2", "--json", rows)
     assert out.returncode == 0, out.stderr[-2000:]
-    row, reduced = _rows(rows)
+    row, reduced, every = _rows(rows)
     assert row["tokens_per_s"] > 0 and row["steps"] == 3  # the timed window: log 1 to log 4, before the profile
     prof = row["profile"]
     assert prof["first_step"] == 4 and prof["steps"] == prof["profiled_steps"] == 2 and prof["trace"]
@@ -77,6 +78,9 @@ def test_the_train_variant_profiles_steps_after_its_timed_ones(tmp_path):
     # train-v8k: the same run with its head trained (the smoke keeps its small vocabulary for both)
     assert (row["head"], reduced["head"]) == ("frozen", "trained") and row["draft_vocab"] == reduced["draft_vocab"] == 2048
     assert reduced["tokens_per_s"] > 0 and "a trained head of 2,048 ids" in out.stdout
+    # the recipe trains slots 1-7 of its B=16 blocks; train-all-slots lifts the cut
+    assert (row["trained_slots"], every["trained_slots"]) == ("7", "null") and every["tokens_per_s"] > 0
+    assert "B=16 (slots 1-7 trained)" in out.stdout and "B=16 (every slot trained)" in out.stdout
 
 
 def test_a_variant_that_raises_is_a_row_with_its_exception(tmp_path):

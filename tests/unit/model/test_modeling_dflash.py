@@ -132,6 +132,29 @@ def test_split_attention_equals_dense_reference_forward_and_backward(tiny_config
         torch.testing.assert_close(g_s[name], g_d[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+def _assert_cut_forward_is_the_full_ones(cfg, attention, cut: dict, keep: slice, shape: tuple):
+    """The training forward with `cut` (forward_train's keywords) against the full one's slots `keep`: the same
+    outputs (of `shape`) and every gradient through them the same."""
+    feats, ids, doc_start, positions = _packed(cfg, [25, 40])
+    anchors = torch.tensor([1, 12, 26, 50, 63])
+    results = []
+    for kwargs in ({}, cut):
+        model = _model(cfg)
+        layout = train_layout(anchors, doc_start[anchors], positions, cfg.block_size, chunk_blocks=2)
+        f = feats.clone().requires_grad_(True)
+        out = model.forward_train(f, model.embed(model.block_ids(ids[anchors])), layout, attention=attention, **kwargs)
+        out = out if kwargs else out[:, keep]
+        assert out.shape == (len(anchors), *shape)
+        (out * torch.linspace(-1, 1, out.shape[-1])).mean().backward()
+        results.append((out.detach(), f.grad, {n: p.grad for n, p in model.named_parameters()}))
+    (out_a, fg_a, g_a), (out_b, fg_b, g_b) = results
+    torch.testing.assert_close(out_b, out_a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fg_b, fg_a, rtol=0, atol=1e-5)
+    for name in g_a:
+        torch.testing.assert_close(g_b[name], g_a[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert g_b["layers.0.self_attn.k_proj.weight"].abs().sum() > 0  # the cut slots' keys still reach the loss
+
+
 @pytest.mark.parametrize("attention", ["split", "dense"])
 @pytest.mark.parametrize("layers,sliding", [(1, False), (2, False), (2, True)])
 def test_without_the_anchor_slot_the_other_slots_and_gradients_are_unchanged(tiny_config, attention, layers, sliding):
@@ -141,28 +164,28 @@ def test_without_the_anchor_slot_the_other_slots_and_gradients_are_unchanged(tin
     if sliding:  # the last layer slides: its in-block mask loses slot 0's row
         update |= {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 6}
     cfg = tiny_config.model_copy(update=update)
-    feats, ids, doc_start, positions = _packed(cfg, [25, 40])
-    anchors = torch.tensor([1, 12, 26, 50, 63])
-    results = {}
-    for anchor_slot in (True, False):
-        model = _model(cfg)
-        layout = train_layout(anchors, doc_start[anchors], positions, cfg.block_size, chunk_blocks=2)
-        f = feats.clone().requires_grad_(True)
-        out = model.forward_train(f, model.embed(model.block_ids(ids[anchors])), layout, attention=attention,
-                                  anchor_slot=anchor_slot)
-        out = out[:, 1:] if anchor_slot else out
-        assert out.shape == (len(anchors), cfg.block_size - 1, cfg.hidden_size)
-        (out * torch.linspace(-1, 1, out.shape[-1])).mean().backward()
-        results[anchor_slot] = (out.detach(), f.grad, {n: p.grad for n, p in model.named_parameters()})
-    (out_a, fg_a, g_a), (out_b, fg_b, g_b) = results[True], results[False]
-    torch.testing.assert_close(out_b, out_a, rtol=0, atol=1e-5)
-    torch.testing.assert_close(fg_b, fg_a, rtol=0, atol=1e-5)
-    for name in g_a:
-        torch.testing.assert_close(g_b[name], g_a[name], rtol=1e-5, atol=1e-5, msg=name)
-    assert g_b["layers.0.self_attn.k_proj.weight"].abs().sum() > 0  # slot 0's keys still reach the loss
+    _assert_cut_forward_is_the_full_ones(cfg, attention, {"anchor_slot": False}, slice(1, None),
+                                         (cfg.block_size - 1, cfg.hidden_size))
 
 
-def test_flex_attention_forward_equals_dense_with_and_without_the_anchor_slot(tiny_config):
+@pytest.mark.parametrize("attention,grid", [("split", True), ("split", False), ("dense", False)])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_trained_slots_cut_the_last_layer_to_those_slots_and_change_nothing_they_see(tiny_config, attention, grid,
+                                                                                      layers, monkeypatch):
+    """trained_slots=D: the last layer's outputs stop at slot D, and those outputs and every gradient through
+    them are the full forward's (every slot's keys and values are still read, as served)."""
+    import dflash_train.model.modeling_dflash as modeling
+
+    monkeypatch.setattr(modeling, "SPLIT_GRID_PADDING_PER_RUN", 10**9 if grid else 0)
+    if not grid:
+        monkeypatch.setattr(modeling, "SPLIT_GRID_ELEMENTS", 0)
+    cfg = tiny_config.model_copy(update={"num_hidden_layers": layers})
+    assert cfg.block_size - 1 > 3
+    _assert_cut_forward_is_the_full_ones(cfg, attention, {"anchor_slot": False, "trained_slots": 3}, slice(1, 4),
+                                         (3, cfg.hidden_size))
+
+
+def test_flex_attention_forward_equals_dense_with_and_without_the_anchor_slot_and_the_deep_slots(tiny_config):
     model = _model(tiny_config)
     feats, ids, doc_start, positions = _packed(tiny_config, [30, 34])
     anchors = torch.tensor([3, 20, 31, 50])
@@ -172,8 +195,10 @@ def test_flex_attention_forward_equals_dense_with_and_without_the_anchor_slot(ti
         dense = model.forward_train(feats, blocks, layout, "dense")
         flex = model.forward_train(feats, blocks, train_layout(anchors, doc_start[anchors], positions, 8), "flex")
         rest = model.forward_train(feats, blocks, layout, "flex", anchor_slot=False)
+        first = model.forward_train(feats, blocks, layout, "flex", anchor_slot=False, trained_slots=3)
     torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
     torch.testing.assert_close(rest, dense[:, 1:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(first, dense[:, 1:4], rtol=0, atol=1e-5)
 
 
 def test_split_attention_takes_the_grid_only_while_its_padding_pays(tiny_config, monkeypatch):

@@ -77,6 +77,29 @@ def test_the_padded_forward_is_the_eager_steps(loss, prefix, reduced):
     assert mb.layout.grid is None  # the micro-batch's own layout is left as it was
 
 
+@pytest.mark.parametrize("loss,prefix", [("ce", True), ("kl", False)])
+def test_trained_slots_train_those_slots_alone_eager_and_padded(loss, prefix):
+    """objective.trained_slots D at B=8: the blocks' slots past D carry no label, the loss, gradients and statistics
+    are the full forward's over the same labels (slots past D unlabelled), and the padded forward (the compiled
+    path's maths) gives the eager step's."""
+    model = tiny_model(block_size=8, layers=2)
+    docs = _with_topk(random_docs([40, 31, 52, 9], seed=5), seed=8)
+    kw = {"block_size": 8, "anchors_per_document": 5, "labels": "greedy", "seed": 5, "epoch": 0}
+    cut = build_microbatch(docs, list(range(len(docs))), trained_slots=3, **kw)
+    assert cut.valid[:, 4:].sum() == 0 and cut.valid[:, 1:4].sum() > 0 and cut.labels.shape[1] == 8
+    eager = _step(model, lambda: microbatch_loss(model, cut, loss=loss, chunk=16, prefix_weighting=prefix))
+    padded = _step(model, lambda: compiled_step.microbatch_loss(model, cut, loss=loss, prefix_weighting=prefix,
+                                                                compile=False))
+    _assert_same_step(eager, padded, rtol=1e-4)
+    if loss == "ce":  # the full forward, its labels past slot 3 dropped: the same step
+        full = build_microbatch(docs, list(range(len(docs))), **kw)
+        full.labels[:, 4:] = cut.labels[:, 4:]
+        full.weights[:, 4:] = 0
+        full.valid[:, 4:] = False
+        _assert_same_step(eager, _step(model, lambda: microbatch_loss(model, full, loss=loss, chunk=16,
+                                                                      prefix_weighting=prefix)), rtol=1e-4)
+
+
 def test_padding_blocks_and_tokens_changes_nothing_the_real_blocks_see():
     """The padded layout: the added blocks are anchored at 0 (no context before them) and sit in runs of their
     own; the added tokens are never attended; every real block sees the context it saw before."""

@@ -174,25 +174,27 @@ class Laps:
     """Where a run's time goes, stage by stage (summary.json `stage_seconds`): `lap(name)` adds the seconds since
     the last lap to `name`; `with lap.aside(name):` counts a block under `name` instead of the lap it sits in
     (the checks and checkpoints inside the steps; on a GPU such a block's first device read also waits for the
-    steps still queued, ~a step's time); `final()` closes the last lap."""
+    steps still queued, ~a step's time); `final()` closes the last lap. `clock`: seconds that never go back (a
+    wall clock set back mid-run would make a lap negative)."""
 
-    def __init__(self):
-        self.seconds, self.asides, self.last = {}, {}, time.time()
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.seconds, self.asides, self.last = {}, {}, clock()
 
     def __call__(self, name: str) -> None:
-        now = time.time()
+        now = self.clock()
         self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self.last, 2)
         self.last = now
 
     @contextmanager
     def aside(self, name: str):
-        t0 = time.time()
+        t0 = self.clock()
         try:
             yield
         finally:
-            took = time.time() - t0
+            took = self.clock() - t0
             self.asides[name] = round(self.asides.get(name, 0.0) + took, 2)
             self.last += took
 
     def final(self) -> dict:
-        return {**self.seconds, **self.asides, "final": round(time.time() - self.last, 2)}
+        return {**self.seconds, **self.asides, "final": round(self.clock() - self.last, 2)}

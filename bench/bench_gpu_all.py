@@ -31,7 +31,8 @@ from variants import commit  # bench/ is on sys.path: the script's own folder
 ROOT = Path(__file__).resolve().parents[1]
 MIN_PART_S = 20  # a part given less than this would only report its start-up
 PY = sys.executable
-FIRST_STEP_VARIANTS = ("flex-1", "flex-5", "train", "train-v8k", "train-all-slots")  # the targets, before their baselines
+# the targets, before their baselines
+FIRST_STEP_VARIANTS = ("flex-1", "flex-5", "train", "train-v8k", "train-all-slots")
 
 
 def default_plan() -> list[dict]:

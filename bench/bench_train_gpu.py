@@ -15,9 +15,10 @@ activation checkpointing); flex-1-eager and flex-5-eager (the LM head's epilogue
 RMSNorm / SwiGLU / RoPE eager, as before issue 23's item 8), flex-5-eager-head and flex-5-eager-layers
 (one of the two eager): the baselines of the compiled parts (`objective.head`, `objective.layer_kernels`),
 which every other variant runs on a GPU; train, train-v8k (the same run with a trained head of 8,192 ids
-instead of the target's frozen 49,152) and train-all-slots (every slot of a block trained, not the recipe's 1-7). Each runs in its own subprocess (its own peak memory) under
-`--timeout`; every finished variant appends one JSON line to `--json` at once, and a failed one (out
-of memory, a compile error, a timeout) is a row with its error while the run goes on (bench/variants.py).
+instead of the target's frozen 49,152) and train-all-slots (every slot of a block trained, not the recipe's
+1-7). Each runs in its own subprocess (its own peak memory) under `--timeout`; every finished variant appends
+one JSON line to `--json` at once, and a failed one (out of memory, a compile error, a timeout) is a row with its
+error while the run goes on (bench/variants.py).
 On the GPU machine run one or two variants per command (each fits its 10-minute limit).
 
 `--smoke` runs the same code on CPU at a tiny shape in fp32 (compiled flex is a row "n/a": torch has no

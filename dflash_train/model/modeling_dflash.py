@@ -182,7 +182,7 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self.project_kv(h, cos, sin)  # [N, Hkv, B, d]
         end = h.shape[1] if end_query is None else end_query
         q_from, q_to = (first_query, end) if attention == "split" else (0, h.shape[1])
-        q = self.project_queries(h[:, q_from:q_to], cos[:, q_from:q_to], sin[:, q_from:q_to])  # [N, Hq, q_to - q_from, d]
+        q = self.project_queries(h[:, q_from:q_to], cos[:, q_from:q_to], sin[:, q_from:q_to])  # [N, Hq, q_to-q_from, d]
         if attention == "flex":  # the kernel reads the shared kv heads itself (GQA)
             from dflash_train.model.flex import flex_training_attention
 

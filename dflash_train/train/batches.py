@@ -164,6 +164,12 @@ def build_microbatch(docs: list[Document], rows: list[int], *, block_size: int, 
     return MicroBatch(packed, anchors, lab, weights, layout, target_topk, valid, block_weight, trained_slots)
 
 
+def predicted_rows(index: torch.Tensor, width: int, depth: int) -> torch.Tensor:
+    """Flat positions `index` of labelled slots in [N, width] -> their rows in the drafter's [N, depth] predicted
+    slots (slot 0 never predicted; depth B - 1, or `MicroBatch.trained_slots`): block n, slot k -> n depth + k - 1."""
+    return index // width * depth + index % width - 1
+
+
 def head_weight(model: DFlashDraftModel) -> torch.Tensor:
     """The LM head the drafter scores with: its own (reduced vocab) or the target's, frozen. Under
     ZeRO-3 a reduced head is a partition outside a module call: score with `full_head_weight`."""
@@ -264,10 +270,9 @@ def microbatch_predictions(model: DFlashDraftModel, mb: MicroBatch, index: torch
     hidden = model.forward_train(to_device(mb.packed.features, device), embeds, layout, attention=attention,
                                  anchor_slot=False, trained_slots=mb.trained_slots)
     width = mb.labels.shape[1]
-    depth = hidden.shape[1]
     labels, w, keep, target = slot_targets(model, mb, index, loss=loss, kl_temperature=kl_temperature)
     with full_head_weight(model) as weight:
-        rows = hidden.flatten(0, 1).index_select(0, index // width * depth + index % width - 1)  # n D + k - 1
+        rows = hidden.flatten(0, 1).index_select(0, predicted_rows(index, width, hidden.shape[1]))
         reweight = None
         if prefix_weighting:  # a label outside a reduced vocabulary is never drafted: probability 0
             shape = tuple(mb.labels.shape)

@@ -88,9 +88,8 @@ def forward_loss(model: DFlashDraftModel, features: torch.Tensor, block_ids: tor
     """(weighted loss sum, argmax draft ids [N, D]) of blocks `block_ids` [N, B] over `features` [T, F].
 
     Per predicted slot (slots 1..D of every block, D = B - 1 or `trained_slots`): labels [N, D] draft ids (0 where
-    none), weights the
-    slot's loss weight (0 where it has no label or the label is not scored), labelled: whether it carries a label,
-    keep: whether its label can be drafted. kl: target_ids / target_p [N, B - 1, k], the teacher (`topk_soft_targets`;
+    none), weights the slot's loss weight (0 where it has no label or the label is not scored), labelled: whether it
+    carries a label, keep: whether its label can be drafted. kl: target_ids / target_p [N, D, k], the teacher (`topk_soft_targets`;
     p = 0 where unlabelled). prefix_weighting: each slot's weight times the drafter's own chance (no gradient)
     that the labelled slots before it in its block are right, as `loss.accepted_prefix_weights` with `smoothing`:
     a label the vocabulary lacks is never drafted (0), a slot without a label passes (1)."""
@@ -151,7 +150,7 @@ def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_wei
     n_pad = row_buckets.rows(n)  # blocks added (weight 0) so that the matmuls meet a few row counts
     depth = width - 1 if mb.trained_slots is None else mb.trained_slots  # the predicted slots the graph computes
     slots = n_pad * depth
-    slot_rows = to_device(host_index // width * depth + host_index % width - 1, device)  # in [N, depth]
+    slot_rows = to_device(batches.predicted_rows(host_index, width, depth), device)  # in [N, depth]
     labels_m, w_m, keep_m, target = batches.slot_targets(model, mb, index, loss=loss, kl_temperature=kl_temperature)
     w_m = w_m * keep_m
     target_ids = target_p = None

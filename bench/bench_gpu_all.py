@@ -45,10 +45,11 @@ def default_plan() -> list[dict]:
                                           "recipes/smollm2-135m-demo-gpu.yaml", "--output", "runs/demo-gpu",
                                           "--num-prompts", "4", "--max-new-tokens", "128"], "max_s": 420},
             {"name": "eval-gpu", "argv": eval_on_the_gpu(), "max_s": 90},
-            # the greedy loop, then the same loop eager and the path before it in the same call: their rows say
-            # the ratios, the first passes and equal rows
+            # the greedy loop (recorded decode steps), then the same loop compiled and eager and the path before it
+            # in the same call: their rows say the ratios, the first passes and equal rows
             {"name": "regen", "argv": [PY, f"{bench}/bench_gpu_data.py", "--variant", "regen", "--variant",
-                                       "regen-eager", "--variant", "regen-generate", "--json", "{rows}"], "max_s": 300},
+                                       "regen-compiled", "--variant", "regen-eager", "--variant", "regen-generate",
+                                       "--json", "{rows}"], "max_s": 300},
             {"name": "head", "argv": [PY, f"{bench}/bench_head.py"], "max_s": 90}]
     from bench_train_gpu import TRAIN_VARIANTS, VARIANTS  # the bench's own registry: a new variant joins the plan
 

@@ -2,20 +2,23 @@
 
 On the embedded SmolLM2 target and ShareGPT first exchanges, in one run:
   1. regeneration of the first --regen-rows conversations, this toolkit's HF path (`HFGenerator` as `regenerate --engine hf` builds it: on CUDA
-     a static KV cache, compiled decode steps, length-sorted groups sized to the free memory): a first
-     pass (includes compiling) and a timed second pass over the same conversations;
+     a static KV cache, decode steps replayed from a CUDA graph recorded per group (data/decode_graph.py),
+     length-sorted groups sized to the free memory): a first pass (includes the recordings) and a timed second
+     pass over the same conversations;
   2. regeneration, f25d61f's path for comparison: dynamic KV cache, eager, every conversation in one
      `generate` call on CUDA (at most 32 rows per call on CPU), and how many rows both paths agree on;
   2b. regeneration as 8275a25 ran it: (1), but greedy rows through transformers' `generate` with the static
      cache instead of data/static_decode.py's loop (`regen-generate`), against (1) the same way;
-  2c. (1) with the loop's decode step eager (`regen-eager`): no compile to pay on the first pass (103.5 s of a
-     first pass on a cold H200 machine against 4.1 s for the second, 304cfdf), what a small regeneration
-     such as the GPU demo's may prefer;
+  2c. (1) with the loop's decode step eager (`regen-eager`): no compile to pay on the first pass, and no graph;
+  2d. (1) with the decode step compiled (`regen-compiled`: inductor, "reduce-overhead", the default until
+     2026-12-06): 103.5 s of a first pass on a cold H200 machine against 4.1 s for the second (304cfdf). Its
+     second pass against (1)'s is what the recording gives up per step; its first pass what it saves;
   3. over every row (--feature-rows), `write_feature_cache` vs the plain target forward on the same batches (`measure_features` of
      bench_features.py): tokens/s, ratio, seconds the forward waited on the writer threads, GB per 1M tokens.
 Eval steps/s is not measured here: dflash_train/eval is being changed for GPU decoding (issue 14 item 3).
 
-Variants (`--list`): `regen` (1), `regen-f25d61f` (2), `regen-generate` (2b), `regen-eager` (2c) and `features` (3). The rows are prepared once, then
+Variants (`--list`): `regen` (1), `regen-f25d61f` (2), `regen-generate` (2b), `regen-eager` (2c), `regen-compiled` (2d)
+and `features` (3). The rows are prepared once, then
 each variant runs in its own subprocess under `--timeout`; every finished variant appends one JSON line
 to `--json` at once and a failed one is a row with its error while the run goes on (bench/variants.py).
 A regeneration variant also writes a row as each of its passes ends (`partial`: "pass 1 of 2"), so a
@@ -45,21 +48,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_features import measure_features, sync  # noqa: E402 - the sibling bench, shared
 from variants import add_arguments, answered, append_row, commit, run_all, run_child  # noqa: E402
 
-VARIANTS = {"regen": "regeneration, this toolkit's HF path (static cache and compiled decode on CUDA): new tokens/s",
+VARIANTS = {"regen": "regeneration, this toolkit's HF path (static cache, decode steps from a recorded CUDA graph): "
+                     "new tokens/s",
             "regen-f25d61f": "regeneration, f25d61f's HF path (dynamic cache, eager, one generate call)",
             "regen-generate": "regeneration, 8275a25's HF path (static cache, greedy rows through generate)",
             "regen-eager": "regeneration, this toolkit's HF path with the decode step eager (no compile to pay)",
+            "regen-compiled": "regeneration, this toolkit's HF path with the decode step compiled (until 2026-12-06)",
             "features": "feature extraction (write_feature_cache) against the plain target forward: tokens/s"}
 
 
-BASELINES = ("regen-f25d61f", "regen-generate", "regen-eager")  # each compared with `regen` when it ran first
+BASELINES = ("regen-f25d61f", "regen-generate", "regen-eager", "regen-compiled")  # each compared with `regen` when it ran first
 
 
 def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int, today: bool = False,
-                         greedy_loop: bool = True, compile_step: bool = True, each_pass=None) -> dict:
+                         greedy_loop: bool = True, decode_step: str = "auto", each_pass=None) -> dict:
     """Two passes of `regenerate_batch` (the loop of `regenerate`) over the first `rows` conversations of `data`
-    (`today`: f25d61f's path; `greedy_loop=False`: greedy rows through `generate`; `compile_step=False`: the
-    loop's decode step eager). `each_pass(row)` gets each pass's seconds and new tokens as it ends."""
+    (`today`: f25d61f's path; `greedy_loop=False`: greedy rows through `generate`; `decode_step`: the loop's
+    decode step, as `HFGenerator` takes it). `each_pass(row)` gets each pass's seconds and new tokens as it ends."""
     from dflash_train.data.hf_generate import HFGenerator
     from dflash_train.data.prepare import load_prepared, read_summary
     from dflash_train.data.regenerate import regenerate_batch, stop_ids
@@ -71,7 +76,7 @@ def measure_regeneration(data: Path, rows: int, device: str, max_new_tokens: int
     tok = load_tokenizer(None)
     renderer = ChatRenderer(tok, max_length=max_length)
     gen = HFGenerator(resolve_target(None), tok, stop_ids(tok, renderer), max_new_tokens, 0.0, device=device,
-                      static_cache=False if today else None, greedy_loop=greedy_loop, compile_step=compile_step)
+                      static_cache=False if today else None, greedy_loop=greedy_loop, decode_step=decode_step)
     if today:  # f25d61f: one generate call for the whole batch on CUDA, 32 rows per call on CPU
         gen.free_bytes = None
         gen.max_rows = len(convs) if device == "cuda" else 32
@@ -110,7 +115,9 @@ def _child(spec: dict) -> dict:
 
         r = measure_regeneration(data, spec["regen_rows"], device, spec["max_new_tokens"],
                                  today=spec["kind"] == "regen-f25d61f", greedy_loop=spec["kind"] != "regen-generate",
-                                 compile_step=spec["kind"] != "regen-eager", each_pass=each_pass)
+                                 decode_step={"regen-eager": "eager", "regen-compiled": "compiled"}.get(spec["kind"],
+                                                                                                      "auto"),
+                                 each_pass=each_pass)
         r["row_sha"] = [_sha(m) for m in r.pop("messages")]
         return r
     from dflash_train.features.cache import batch_tokens_that_fit, bytes_per_token
@@ -129,12 +136,13 @@ def _line(variant: str, r: dict, max_new_tokens: int) -> str:
     if variant == "regen":
         return (f"| regeneration, HF path of this toolkit | {r['tok_s']:.0f} new | {r['rows']} rows x <= "
                 f"{max_new_tokens} new tokens, {r['new_tokens']} generated in {r['seconds']:.1f} s (first pass, "
-                f"which compiles on CUDA, {r['first_s']:.1f} s); groups (rows, width): {r['groups']} |")
+                f"which records the graphs on CUDA, {r['first_s']:.1f} s); groups (rows, width): {r['groups']} |")
     if variant in BASELINES:
         same = f"; identical rows {r['identical_rows']}/{r['rows']}" if "identical_rows" in r else ""
         speed = f"; this toolkit's path is {r['speedup']:.2f}x faster" if "speedup" in r else ""
         path = {"regen-f25d61f": "f25d61f's HF path", "regen-generate": "8275a25's HF path (greedy through generate)",
-                "regen-eager": "this toolkit's HF path, decode step eager"}[variant]
+                "regen-eager": "this toolkit's HF path, decode step eager",
+                "regen-compiled": "this toolkit's HF path, decode step compiled"}[variant]
         first = f" (first pass {r['first_s']:.1f} s)" if variant != "regen-f25d61f" else ""
         return f"| regeneration, {path} | {r['tok_s']:.0f} new | same rows, {r['seconds']:.1f} s{first}{speed}{same} |"
     return (f"| plain target forward | {r['plain_tok_s']:.0f} | {r['rows']} rows, {r['tokens']} tokens, "

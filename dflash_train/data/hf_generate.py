@@ -1,5 +1,5 @@
 """HF `generate` for `regenerate --engine hf`: length-sorted groups, and on CUDA a static KV cache with
-a compiled decode step in groups sized to the GPU's free memory.
+decode steps replayed from a recorded CUDA graph, in groups sized to the GPU's free memory.
 
 The prompts of one call are sorted by length (longest first) and cut into groups; each group is one
 `generate` call with left padding, and its rows are handed back as soon as it returns, so the caller
@@ -11,9 +11,12 @@ a CPU down (SmolLM2 on 2 cores: 32 rows give 72 tokens/s, 96 rows 45).
 
 CUDA:
 - greedy rows (temperature 0, what regeneration uses) decode over a transformers `StaticCache` in
-  `data/static_decode.py`'s loop, not `generate`: every decode step through `torch.compile` as `generate`
-  compiles it (inductor, mode "reduce-overhead", i.e. CUDA graphs), with no read of the device between
-  steps but one every 16; the prefill stays eager. Sampling keeps `generate` with the static cache.
+  `data/static_decode.py`'s loop, not `generate`, with no read of the device between steps but one every 16;
+  the prefill stays eager. Each decode step replays a CUDA graph recorded from the eager call, one per group
+  (`data/decode_graph.py`: no compile to pay; `decode_step="graphs"`, the default on CUDA where the cache
+  allows it), or runs `torch.compile`d as `generate` compiles it (inductor, mode "reduce-overhead";
+  `"compiled"`, the default before 2026-12-06 and where the cache cannot be recorded), or eager (`"eager"`).
+  Sampling keeps `generate` with the static cache.
   Attention is `data/gqa_decode.py`'s: a decode step reads each cached K/V head once, where transformers'
   compiled SDPA path with a mask would repeat them.
 - a group's width (its padded prompt length) is rounded up to a ladder of two steps per octave (64, 96,
@@ -21,9 +24,9 @@ CUDA:
   that fit its own cache and prefill (`rows_that_fit`), so short prompts run in large groups and long
   ones in small groups; a group that is not full runs its own rows, never padded (an earlier version
   padded it with copies of its first prompt, and sized every width for all widths' caches together:
-  215 of 512 rows in one width-2048 group of 304 rows, 89 of them copies). The compiled step then sees
-  a few shapes per width; after the first recompile dynamo compiles one dynamic-shape graph, and the
-  CUDA graph trees record one graph per shape, a decode step each.
+  215 of 512 rows in one width-2048 group of 304 rows, 89 of them copies). A recorded step is one graph per
+  group; the compiled step sees a few shapes per width, and after the first recompile dynamo compiles one
+  dynamic-shape graph, and the CUDA graph trees record one graph per shape, a decode step each.
 - caches are kept, keyed by shape, and reset when a group of the same shape comes again (a CUDA graph
   recorded over a cache's addresses stays valid); they are kept while they fit beside the current
   group (SAFETY x the free memory measured after loading the model), the least recently used dropped
@@ -52,6 +55,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from dflash_train.data import static_decode
+from dflash_train.data.decode_graph import GraphedStep, recordable
 from dflash_train.errors import DataError
 from dflash_train.target import cache_kwarg
 
@@ -60,6 +64,7 @@ MAX_ROWS_CPU = 32
 MAX_ROWS_CUDA = 1024
 MIN_ROWS_CUDA = 16
 STEP_BYTES = 4 * 10**9
+DECODE_STEPS = ("auto", "graphs", "compiled", "eager")  # the greedy loop's decode step (HFGenerator)
 
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
@@ -144,7 +149,7 @@ class HFGenerator:
 
     def __init__(self, target_path, tokenizer, stop_ids: list[int], max_new_tokens: int, temperature: float,
                  device: str | None = None, static_cache: bool | None = None, compile_config=None,
-                 dtype: str = "auto", greedy_loop: bool = True, compile_step: bool = True):
+                 dtype: str = "auto", greedy_loop: bool = True, decode_step: str = "auto"):
         import torch
 
         from dflash_train.target import load_target, target_torch_dtype
@@ -165,10 +170,13 @@ class HFGenerator:
             use_gqa_decode(self.model)
         self.compile_config = compile_config
         self.greedy_loop = greedy_loop  # False: greedy rows also go through `generate` (the bench's baseline)
-        # False: the greedy loop's decode step runs eager on CUDA too (the bench's `regen-eager`: whether a small
-        # regeneration gains more from the compile than the compile costs it on a cold machine)
-        self.compile_step = compile_step
-        self._step = None  # the decode step's (compiled) model call, made at the first greedy static group
+        if decode_step not in DECODE_STEPS:
+            raise ValueError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {decode_step!r}")
+        # the greedy loop's decode step: "auto" is "graphs" on CUDA where the cache can be recorded, else "compiled"
+        # (eager on a CPU unless `compile_config` compiles everywhere); the bench compares them (`regen-compiled`,
+        # `regen-eager`)
+        self.decode_step = decode_step
+        self._step = None  # the compiled or eager decode step's model call, made at its first group
         self.max_rows = MAX_ROWS_CUDA if self.static else MAX_ROWS_CPU
         self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.free_bytes = torch.cuda.mem_get_info(torch.device(device))[0] if device == "cuda" else None
@@ -250,12 +258,12 @@ class HFGenerator:
         extra = {}
         sample = self.temperature > 0
         if self.static and not sample and self.greedy_loop:  # our decode loop, no host sync per step
-            if self._step is None:
-                self._step = (static_decode.compiled_forward(self.model, self.compile_config, self.device)
-                              if self.compile_step else self.model.__call__)
-            new_tokens = static_decode.greedy_decode(self.model, self._step, ids.to(self.device), mask.to(self.device),
-                                                     self._static_cache(n, width), self.max_new_tokens, self.stop_ids,
-                                                     self.pad_id).tolist()
+            cache = self._static_cache(n, width)
+            step = self._decode_step_for(cache)
+            new_tokens = static_decode.greedy_decode(self.model, step, ids.to(self.device), mask.to(self.device),
+                                                     cache, self.max_new_tokens, self.stop_ids, self.pad_id).tolist()
+            if isinstance(step, GraphedStep) and step.failed is not None:
+                self.decode_step = "compiled"  # the step warned; later groups take the compiled step, as before
         else:
             if self.static:
                 extra[cache_kwarg(self.model)] = self._static_cache(n, width)
@@ -277,6 +285,22 @@ class HFGenerator:
             hit_max = len(new) >= self.max_new_tokens
             results.append((self.tokenizer.decode(new, skip_special_tokens=True).strip(), len(new), hit_max))
         return results
+
+    def _decode_step_for(self, cache):
+        """The greedy loop's decode step for one group over `cache`: a new `GraphedStep` (it records over this
+        group's buffers), or the compiled or eager model call, made once."""
+        if self.decode_step == "auto":
+            self.decode_step = "graphs" if self.device == "cuda" and recordable(cache) is None else "compiled"
+        if self.decode_step == "graphs":
+            reason = recordable(cache)
+            if reason is not None:
+                raise ValueError(f"decode_step='graphs': this target's cache cannot be recorded ({reason}); use "
+                                 "'compiled' or 'auto'")
+            return GraphedStep(self.model)
+        if self._step is None:
+            self._step = (static_decode.compiled_forward(self.model, self.compile_config, self.device)
+                          if self.decode_step == "compiled" else self.model.__call__)
+        return self._step
 
     def _static_cache(self, rows: int, width: int):
         """The cache of this shape (reset) when one is kept, else a new one. Kept caches stay while they fit

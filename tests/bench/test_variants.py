@@ -27,7 +27,8 @@ def _rows(path):
     ("bench_train_gpu.py", ["split-1", "flex-1", "dense-1", "split-5", "flex-5", "dense-5", "flex-ckpt-5",
                            "flex-1-eager", "flex-5-eager", "flex-5-eager-head", "flex-5-eager-layers", "train",
                            "train-v8k", "train-all-slots"]),
-    ("bench_gpu_data.py", ["regen", "regen-f25d61f", "regen-generate", "regen-eager", "features"])])
+    ("bench_gpu_data.py", ["regen", "regen-f25d61f", "regen-generate", "regen-eager", "regen-compiled",
+                            "features"])])
 def test_list_prints_every_variant_and_an_unknown_one_is_refused(script, names):
     out = _bench(script, "--list", timeout=60)
     assert out.returncode == 0, out.stderr

@@ -184,9 +184,9 @@ def test_compiled_static_decoding_equals_eager(train_tiny_target, smollm2, promp
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # it did compile
 
 
-def test_compile_step_false_keeps_the_loops_decode_step_eager_where_it_would_compile(smollm2_path, smollm2, prompts,
-                                                                                    reference, monkeypatch):
-    """`compile_step=False` (the bench's `regen-eager`): the greedy loop's step is the model's own call even where
+def test_an_eager_decode_step_stays_eager_where_it_would_compile(smollm2_path, smollm2, prompts, reference,
+                                                                  monkeypatch):
+    """`decode_step="eager"` (the bench's `regen-eager`): the greedy loop's step is the model's own call even where
     the config asks for a compile (as CUDA would), and the answers are plain generate's."""
     from transformers import CompileConfig
 
@@ -194,7 +194,7 @@ def test_compile_step_false_keeps_the_loops_decode_step_eager_where_it_would_com
     config._compile_all_devices = True
     monkeypatch.setattr(static_decode, "compiled_forward", lambda *a: pytest.fail("the step was compiled"))
     gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0, static_cache=True, compile_config=config,
-                         compile_step=False)
+                         decode_step="eager")
     assert gen.generate(prompts) == reference
     assert gen._step == gen.model.__call__
 

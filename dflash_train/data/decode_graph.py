@@ -8,7 +8,8 @@ is mostly the CUDA graph: an eager SmolLM2 step is ~2,400 operator calls (30 lay
 Python, for a few microseconds of work each. Recording the eager call once per group and replaying it gives
 the launches back without dynamo, AOT or Inductor: one eager step and one recording per group.
 
-What makes the eager call recordable (tests/unit/data/test_decode_graph.py audits it on the CPU):
+What makes the eager call recordable (tests/unit/data/test_decode_graph.py runs a step on the meta device under
+an audit that stops at any host read or host tensor):
 - nothing in a decode step reads the device from the host: the static cache counts its positions in a device
   tensor (transformers 5.17 and later), and transformers' masks skip their "no padding?" read of the mask while a
   stream records (`is_tracing`), as they do under compile;

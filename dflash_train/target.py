@@ -8,6 +8,7 @@ a plain bf16 HF folder once into the cache; every later call reuses that folder.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -65,12 +66,40 @@ def default_target_path() -> Path:
     return out
 
 
+@contextlib.contextmanager
+def _gguf_read_once():
+    """Within it, gguf's reader is made once per file and its tensor-name map once per (architecture, layers).
+
+    transformers reads the whole GGUF file (every tokenizer entry a field: ~440K of them for SmolLM2) once for
+    the tokenizer, once for the model's config and once for its tensors, and builds gguf's tensor-name map again
+    for every module it maps: on 2 cores ~14 s of readers and ~5.5 s of maps of the ~21 s a first run spent
+    converting the embedded target, on every fresh machine (the GPU demo's cold start among them). The reader is
+    a read-only memory map, so the three loads can share one."""
+    import gguf as gguf_lib
+
+    real_reader, real_map = gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
+    try:
+        yield
+    finally:
+        gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map = real_reader, real_map
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_read_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")

@@ -72,3 +72,33 @@ def test_the_cache_goes_in_under_the_name_the_forward_takes(smollm2):
     assert cache_kwarg(Older()) == "past_key_values"
     marker = object()
     assert Older().forward(**cache_arg(Older(), marker)) is marker
+
+
+def test_the_embedded_gguf_is_read_once_while_converting_and_converts_to_its_own_tensors(smollm2_path):
+    """`_gguf_read_once`: one reader per file and one tensor-name map per (arch, layers) inside, gguf's own
+    functions again outside (after an error too); and the converted folder holds the GGUF's tensors (the
+    embedding dequantized by gguf itself, to bf16 rounding)."""
+    import gguf
+    import numpy as np
+    import pytest
+    import torch
+    from safetensors import safe_open
+
+    from dflash_train.target import _gguf_read_once, embedded_gguf_path
+
+    path = embedded_gguf_path()
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_read_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
+    with pytest.raises(RuntimeError, match="inside"), _gguf_read_once():
+        raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
+    tensor = next(t for t in real_reader(path).tensors if t.name == "token_embd.weight")
+    want = torch.from_numpy(np.ascontiguousarray(gguf.dequantize(tensor.data, tensor.tensor_type)))
+    with safe_open(str(smollm2_path / "model.safetensors"), "pt") as f:
+        got = f.get_tensor("model.embed_tokens.weight")
+    assert got.shape == want.shape == (49152, 576)
+    torch.testing.assert_close(got.float(), want.float().to(torch.bfloat16).float(), rtol=0, atol=0)

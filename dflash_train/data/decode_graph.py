@@ -97,6 +97,8 @@ class GraphedStep:
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._logits = self._call_buffers()
+        except torch.OutOfMemoryError:
+            raise  # the generator splits the group and retries, as for any step
         except Exception as exc:  # noqa: BLE001 - whatever refused the recording, the eager step still works
             self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             self._logits = None

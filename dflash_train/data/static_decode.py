@@ -43,11 +43,17 @@ def compiled_forward(model, compile_config, device: str):
     return model.__call__
 
 
-def greedy_decode(model, step, ids, mask, cache, max_new_tokens: int, stop_ids: list[int], pad_id: int):
+def greedy_decode(model, step, ids, mask, cache, max_new_tokens: int, stop_ids: list[int], pad_id: int,
+                  shrink: bool = False):
     """Greedy tokens [rows, <= max_new_tokens] (device) of a left-padded group: `ids`, `mask` [rows, width] on
     the model's device, `cache` a StaticCache of width + max_new_tokens positions (reset), `step` the decode
     step's model call (`compiled_forward`). Each row's tokens run to its first stop id and past it, or are
-    `pad_id` once the row had finished by an earlier step."""
+    `pad_id` once the row had finished by an earlier step.
+
+    `shrink` (a CPU's, whose step costs about its rows): at a check where at least a quarter of the rows still
+    decoding have finished, they leave the batch, their cache rows with them (`reorder_cache`, beam search's
+    reordering, which also takes a subset), so the rest decode at the cost of their own rows; the cache is then
+    smaller than it was made. The step must take any row count (eager)."""
     import torch
 
     rows, width = ids.shape
@@ -65,11 +71,17 @@ def greedy_decode(model, step, ids, mask, cache, max_new_tokens: int, stop_ids: 
         del out  # the prefill's logits and activations, before the decode steps' CUDA graph pools
         tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
+        alive = torch.arange(rows, device=device)  # each decoding row's row in `tokens`
         for k in range(max_new_tokens):
-            tokens[:, k] = torch.where(done, pad_id, token)
+            tokens[alive, k] = torch.where(done, pad_id, token)
             done |= torch.isin(token, stops)
             if k + 1 == max_new_tokens or ((k + 1) % CHECK_EVERY == 0 and bool(done.all())):
                 return tokens[:, :k + 1]
+            if shrink and (k + 1) % CHECK_EVERY == 0 and 4 * int(done.sum()) >= len(done):
+                keep = (~done).nonzero().squeeze(1)
+                cache.reorder_cache(keep)
+                full_mask, prompt_len, token, alive, done = (t[keep] for t in (full_mask, prompt_len, token, alive,
+                                                                                done))
             # the argmax is taken at once and no reference to the logits is kept: with CUDA graphs the next
             # replay writes over this one's outputs
             token = step(input_ids=token[:, None], attention_mask=full_mask, position_ids=(prompt_len + k)[:, None],

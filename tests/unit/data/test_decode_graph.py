@@ -112,8 +112,9 @@ def test_graphs_give_plain_greedy_tokens_with_one_recording_per_group(smollm2_pa
     monkeypatch.setattr(dg.GraphedStep, "__init__", lambda self, model: made.append(self) or real_init(self, model))
     monkeypatch.setattr(dg.GraphedStep, "_call_buffers", lambda self: replays.append(self) or real_buffers(self))
 
-    def decode(model, step, *a):
-        tokens = real_decode(model, step, *a)
+    def decode(model, step, *a, **kw):
+        assert kw == {"shrink": False}  # a recorded step keeps its group's rows
+        tokens = real_decode(model, step, *a, **kw)
         steps.append((step, tokens.shape[1] - 1))  # decode steps after the prefill's token
         return tokens
 

@@ -95,16 +95,25 @@ def reference(smollm2, prompts):
     return [_plain(*smollm2, p) for p in prompts]
 
 
-def test_cpu_path_equals_plain_generate(smollm2_path, smollm2, prompts, reference):
+def test_cpu_path_equals_plain_generate(smollm2_path, smollm2, prompts, reference, monkeypatch):
+    """A CPU's greedy rows: the greedy loop over a static cache, exact widths, finished rows leaving the batch,
+    groups sized by CPU_GROUP_BYTES; sampling keeps `generate`, 32 rows a group."""
     gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0)
-    assert not gen.static and gen.rows_for(10_000) == hg.MAX_ROWS_CPU
+    assert gen.static and gen.shrink and gen.width_of(41) == 41 and gen.rows_for(40) == hg.MAX_ROWS_CPU_LOOP
+    row = hg.bytes_per_row(gen.model.config, gen.dtype_bytes, 2000, NEW)
+    assert gen.rows_for(2000) == hg.CPU_GROUP_BYTES // row < hg.MAX_ROWS_CPU_LOOP  # long prompts: fewer rows
+    shrunk = []
+    real = static_decode.greedy_decode
+    monkeypatch.setattr(static_decode, "greedy_decode", lambda *a, **kw: shrunk.append(kw["shrink"]) or real(*a, **kw))
     gen.max_rows = 4  # two groups: the four longest prompts, then the rest
     seen = []
     for i, r in gen.generate_groups(prompts):
         seen.append(i)
         assert r == reference[i]
     longest = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    assert seen == longest and any(text for text, _, _ in reference)
+    assert seen == longest and any(text for text, _, _ in reference) and shrunk == [True, True]
+    sampling = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.7)
+    assert not sampling.static and not sampling.shrink and sampling.rows_for(10_000) == hg.MAX_ROWS_CPU
 
 
 def test_static_cache_path_equals_plain_generate(smollm2_path, smollm2, prompts, reference, monkeypatch):
@@ -118,10 +127,10 @@ def test_static_cache_path_equals_plain_generate(smollm2_path, smollm2, prompts,
     calls = []
     real = static_decode.greedy_decode
 
-    def spy(model, step, ids, mask, cache, *a):
+    def spy(model, step, ids, mask, cache, *a, **kw):
         calls.append((tuple(ids.shape), cache))
-        assert isinstance(cache, StaticCache)
-        return real(model, step, ids, mask, cache, *a)
+        assert isinstance(cache, StaticCache) and kw == {"shrink": False}  # the CUDA path keeps its rows
+        return real(model, step, ids, mask, cache, *a, **kw)
 
     monkeypatch.setattr(static_decode, "greedy_decode", spy)
     assert gen.generate(prompts) == reference
@@ -135,17 +144,17 @@ def test_static_cache_path_equals_plain_generate(smollm2_path, smollm2, prompts,
     calls.clear()
     failed = []
 
-    def oom_once(model, step, ids, *a):
+    def oom_once(model, step, ids, *a, **kw):
         if ids.shape[0] == 4 and not failed:
             failed.append(1)
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return spy(model, step, ids, *a)
+        return spy(model, step, ids, *a, **kw)
 
     monkeypatch.setattr(static_decode, "greedy_decode", oom_once)
     assert gen.generate(prompts) == reference
     assert failed and [shape for shape, _ in calls] == [(2, 64)] * 3 and gen.rows_for(64) == 2
 
-    def always_oom(*a):
+    def always_oom(*a, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     monkeypatch.setattr(static_decode, "greedy_decode", always_oom)
@@ -156,7 +165,7 @@ def test_static_cache_path_equals_plain_generate(smollm2_path, smollm2, prompts,
 def test_other_errors_are_not_retried(smollm2_path, smollm2, prompts, monkeypatch):
     gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0, static_cache=True)
 
-    def broken(*a):
+    def broken(*a, **kw):
         raise RuntimeError("shape mismatch")
 
     monkeypatch.setattr(static_decode, "greedy_decode", broken)
@@ -170,7 +179,7 @@ def test_compiled_static_decoding_equals_eager(train_tiny_target, smollm2, promp
     torch.compile (as `generate` compiles it, forced on CPU) and gives the same tokens as the eager dynamic path."""
     from transformers import CompileConfig
 
-    eager = hg.HFGenerator(str(train_tiny_target), smollm2[1], STOP, NEW, 0.0)
+    eager = hg.HFGenerator(str(train_tiny_target), smollm2[1], STOP, NEW, 0.0, static_cache=False)
     config = CompileConfig(mode="default")
     config._compile_all_devices = True
     compiled = hg.HFGenerator(str(train_tiny_target), smollm2[1], STOP, NEW, 0.0, static_cache=True,
@@ -212,9 +221,9 @@ def test_partial_groups_run_their_own_rows_and_caches_are_reused_by_shape(smollm
     seen = []
     real = static_decode.greedy_decode
 
-    def spy(model, step, ids, mask, cache, *a):
+    def spy(model, step, ids, mask, cache, *a, **kw):
         seen.append((tuple(ids.shape), id(cache), len({tuple(r) for r in ids.tolist()})))
-        return real(model, step, ids, mask, cache, *a)
+        return real(model, step, ids, mask, cache, *a, **kw)
 
     monkeypatch.setattr(static_decode, "greedy_decode", spy)
     assert gen.generate(prompts + long_prompts) == reference + long_ref

@@ -107,3 +107,33 @@ def test_sampling_keeps_generate(smollm2_path, smollm2, prompts, monkeypatch):
     real = through.model.generate
     monkeypatch.setattr(through.model, "generate", lambda **kw: used.append(kw[name]) or real(**kw))
     assert through.generate(prompts[:2]) == looped and len(used) == 1
+
+
+def test_finished_rows_leave_the_batch_when_it_shrinks(smollm2, prompts):
+    """`shrink` (the CPU's loop): at a check where at least a quarter of the decoding rows have finished, they
+    leave the batch and the cache; every row still gets plain greedy generate's tokens, in its own row."""
+    from transformers import StaticCache
+
+    model, _ = smollm2
+    reference = [_plain(model, p) for p in prompts]
+    ends = sorted(len(r) for r in reference)
+    every = static_decode.CHECK_EVERY
+    assert ends[0] < every < ends[-1]  # one row stops before the first check, one decodes past it
+    width = max(len(p) for p in prompts)
+    ids, mask = _group(prompts, width)
+    rows_seen = []
+
+    def step(**kw):
+        rows_seen.append(kw["input_ids"].shape[0])
+        assert kw["attention_mask"].shape[0] == kw["position_ids"].shape[0] == rows_seen[-1]
+        return model(**kw)
+
+    cache = StaticCache(config=model.config, max_cache_len=width + NEW)
+    tokens = static_decode.greedy_decode(model, step, ids, mask, cache, NEW, STOP, 2, shrink=True).tolist()
+    for row, ref in zip(tokens, reference, strict=True):
+        assert row[: len(ref)] == ref and all(t == 2 for t in row[len(ref):])
+    finished_at_check = sum(e <= every for e in ends)  # rows whose stop token came by the first check
+    assert 4 * finished_at_check >= len(prompts)
+    assert rows_seen[: every - 1] == [len(prompts)] * (every - 1)  # all rows until the first check...
+    assert rows_seen[every - 1] == len(prompts) - finished_at_check  # ...then only those still decoding
+    assert cache.layers[0].keys.shape[0] == min(rows_seen) < len(prompts)  # the cache shrank with them

@@ -45,16 +45,6 @@ class HostWork(TorchDispatchMode):
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2):
-    from dflash_train.data.render import ChatRenderer
-
-    renderer = ChatRenderer(smollm2[1], max_length=256)
-    questions = ["Say hi.", "Reply with one word: yes or no?", "Name a fruit.",
-                 "Why is the sky blue? Answer in one short sentence that a child would understand, please."]
-    return [renderer.prompt_ids([{"role": "user", "content": q}]) for q in questions]
-
-
-@pytest.fixture(scope="module")
 def reference(smollm2, prompts):
     model, tok = smollm2
     out = []

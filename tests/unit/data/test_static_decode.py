@@ -16,16 +16,6 @@ STOP = [2]
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # small-batch decoding, fixtures too
 
 
-@pytest.fixture(scope="module")
-def prompts(smollm2):
-    from dflash_train.data.render import ChatRenderer
-
-    renderer = ChatRenderer(smollm2[1], max_length=256)
-    questions = ["Say hi.", "Reply with one word: yes or no?", "Name a fruit.",
-                 "Why is the sky blue? Answer in one short sentence that a child would understand, please."]
-    return [renderer.prompt_ids([{"role": "user", "content": q}]) for q in questions]
-
-
 def _plain(model, prompt):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=2)[0, len(prompt):]
     ids = out.tolist()

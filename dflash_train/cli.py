@@ -100,7 +100,7 @@ def regenerate(data: Path = typer.Option(..., "--data", help="A prepared dataset
                                                       "enable_thinking (default: the template's default)."),
                engine: str = typer.Option("hf", "--engine", help="hf (transformers generate), vllm (here or in $DFLASH_VLLM_PYTHON / the `make vllm-venv` venv), or auto (vllm where it runs, else hf)."),
                batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Conversations taken together "
-                                                        "(default 8 on CPU, 16384 on CUDA, where each turn's prompts "
+                                                        "(default 256 on CPU, 16384 on CUDA, where each turn's prompts "
                                                         "are sorted by length and cut into groups sized to the free "
                                                         "GPU memory)."),
                seed: int = typer.Option(0, "--seed", help="Sampling seed."),

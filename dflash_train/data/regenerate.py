@@ -36,7 +36,8 @@ ENGINES = ("hf", "vllm", "auto")  # auto: vllm where it can run (here or in its 
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA and bf16-capable CPUs (machine.auto_dtype)
 PROGRESS_FILE = "progress.jsonl"
 STATE_FILE = "inputs.json"
-CHUNK_CPU = 8  # --batch-size default: conversations taken together on CPU (as before)
+CHUNK_CPU = 256  # --batch-size default on CPU: vLLM batches them continuously, HF in groups of up to 128 (8 before the
+#                  HF loop's shrinking groups, 2026-12-06, when larger groups decoded slower)
 CHUNK_CUDA = 16384  # on CUDA: enough prompts per turn for full memory-sized groups and few shape changes
 SYNC_SECONDS = 1.0
 BURST_GAP = 0.5  # seconds between two finished rows that end a burst of rows (the progress bar's ETA)

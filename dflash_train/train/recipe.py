@@ -27,7 +27,7 @@ class RegenerateConfig(_Section):
     temperature: float = Field(0.0, ge=0)
     thinking: bool | None = None
     engine: Literal["hf", "vllm", "auto"] = "hf"  # auto: vLLM where it runs (here or its venv), else hf
-    batch_size: int | None = Field(None, gt=0)  # conversations per generate call; null: 8 on CPU, 16384 on CUDA
+    batch_size: int | None = Field(None, gt=0)  # conversations per generate call; null: 256 on CPU, 16384 on CUDA
     # the dtype the target generates in; auto: bfloat16 on CUDA and on CPUs with bf16 instructions
     # (AVX512-BF16, AMX: ~1.4x faster than float32), float32 on the others (bf16 ran 5x slower there).
     # Greedy answers are the dtype's own (they part after the first near-tie): pair with the features'

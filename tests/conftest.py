@@ -48,6 +48,17 @@ def smollm2(smollm2_path):
     return load_target(str(smollm2_path), dtype=torch.float32)
 
 
+@pytest.fixture(scope="session")
+def stopping_prompts(smollm2):
+    """Chat prompts whose greedy answers on the real SmolLM2 stop at different steps (the decoding loop's tests)."""
+    from dflash_train.data.render import ChatRenderer
+
+    renderer = ChatRenderer(smollm2[1], max_length=256)
+    questions = ["Say hi.", "Reply with one word: yes or no?", "Name a fruit.",
+                 "Why is the sky blue? Answer in one short sentence that a child would understand, please."]
+    return [renderer.prompt_ids([{"role": "user", "content": q}]) for q in questions]
+
+
 @pytest.fixture
 def tiny_config():
     """A small drafter config (GQA, 2 layers) for fast model tests."""

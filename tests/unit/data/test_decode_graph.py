@@ -45,10 +45,10 @@ class HostWork(TorchDispatchMode):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2, prompts):
+def reference(smollm2, stopping_prompts):
     model, tok = smollm2
     out = []
-    for p in prompts:
+    for p in stopping_prompts:
         ids = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=2)[0, len(p):]
         ids = ids.tolist()
         ids = ids[: ids.index(2)] if 2 in ids else ids
@@ -92,7 +92,7 @@ def test_a_decode_step_never_makes_the_host_wait(smollm2_path, smollm2):
               **{cache_kwarg(model): StaticCache(config=text, max_cache_len=width + NEW)})
 
 
-def test_graphs_give_plain_greedy_tokens_with_one_recording_per_group(smollm2_path, smollm2, prompts, reference,
+def test_graphs_give_plain_greedy_tokens_with_one_recording_per_group(smollm2_path, smollm2, stopping_prompts, reference,
                                                                      monkeypatch):
     gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0, static_cache=True, decode_step="graphs")
     gen.max_rows = 2  # two groups
@@ -109,7 +109,7 @@ def test_graphs_give_plain_greedy_tokens_with_one_recording_per_group(smollm2_pa
         return tokens
 
     monkeypatch.setattr(static_decode, "greedy_decode", decode)
-    assert gen.generate(prompts) == reference
+    assert gen.generate(stopping_prompts) == reference
     assert len(made) == len(steps) == 2 and [s for s, _ in steps] == made  # a new recording for each group
     assert all(s.failed is None and s._replay is not None for s in made)
     for step, n in steps:  # the first step eager on the caller's tensors, every later one over the buffers
@@ -117,12 +117,12 @@ def test_graphs_give_plain_greedy_tokens_with_one_recording_per_group(smollm2_pa
     assert gen.decode_step == "graphs"
 
 
-def test_a_recorded_step_refuses_another_groups_mask(smollm2_path, smollm2, prompts):
+def test_a_recorded_step_refuses_another_groups_mask(smollm2_path, smollm2, stopping_prompts):
     gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, 3, 0.0, static_cache=True, decode_step="graphs")
     cache = gen._static_cache(1, 64)
     step = dg.GraphedStep(gen.model)
     ids, mask = torch.full((1, 64), 2), torch.zeros((1, 64), dtype=torch.long)
-    ids[0, -len(prompts[0]):], mask[0, -len(prompts[0]):] = torch.tensor(prompts[0]), 1
+    ids[0, -len(stopping_prompts[0]):], mask[0, -len(stopping_prompts[0]):] = torch.tensor(stopping_prompts[0]), 1
     kw = {"use_cache": True, "logits_to_keep": 1, cache_kwarg(gen.model): cache}
     with torch.no_grad():
         gen.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **kw)
@@ -134,7 +134,7 @@ def test_a_recorded_step_refuses_another_groups_mask(smollm2_path, smollm2, prom
             step(input_ids=torch.tensor([[6]]), attention_mask=full.clone(), position_ids=position + 1, **kw)
 
 
-def test_only_caches_of_plain_static_layers_are_recorded(smollm2_path, smollm2, prompts, monkeypatch):
+def test_only_caches_of_plain_static_layers_are_recorded(smollm2_path, smollm2, stopping_prompts, monkeypatch):
     from transformers import DynamicCache, StaticCache
     from transformers.cache_utils import StaticSlidingWindowLayer
 
@@ -149,14 +149,14 @@ def test_only_caches_of_plain_static_layers_are_recorded(smollm2_path, smollm2, 
     gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, 3, 0.0, static_cache=True, decode_step="graphs")
     monkeypatch.setattr(hg, "recordable", lambda c: "cache layers of kind Hybrid")
     with pytest.raises(ValueError, match=r"cannot be recorded \(cache layers of kind Hybrid\); use 'compiled'"):
-        gen.generate(prompts[:1])
+        gen.generate(stopping_prompts[:1])
     auto = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, 3, 0.0, static_cache=True)
     monkeypatch.undo()
-    auto.generate(prompts[:1])
+    auto.generate(stopping_prompts[:1])
     assert auto.decode_step == "compiled" and auto._step == auto.model.__call__  # a CPU: the eager call
 
 
-def test_a_failed_recording_warns_and_later_groups_take_the_compiled_step(smollm2_path, smollm2, prompts, reference,
+def test_a_failed_recording_warns_and_later_groups_take_the_compiled_step(smollm2_path, smollm2, stopping_prompts, reference,
                                                                          monkeypatch):
     """What the generator does when a GPU refuses a recording (simulated: a CPU cannot record): the group
     finishes eager, one warning, and the groups after it take the compiled step, as before graphs."""
@@ -174,18 +174,18 @@ def test_a_failed_recording_warns_and_later_groups_take_the_compiled_step(smollm
     gen = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0, static_cache=True, decode_step="graphs")
     gen.max_rows = 2
     with pytest.warns(RuntimeWarning, match="operation not permitted") as caught:
-        assert gen.generate(prompts) == reference
+        assert gen.generate(stopping_prompts) == reference
     assert len(made) == 1 and len(caught) == 1 and gen.decode_step == "compiled"
     assert gen._step == gen.model.__call__  # the compiled step's call (eager on a CPU)
 
 
 @pytest.mark.gpu
-def test_recorded_steps_on_a_gpu_decode_as_the_eager_step(smollm2_path, smollm2, prompts):
+def test_recorded_steps_on_a_gpu_decode_as_the_eager_step(smollm2_path, smollm2, stopping_prompts):
     """On CUDA `auto` records: every group's step holds a graph, no recording failed, and the rows are the eager
     step's (the replay runs its kernels; a row may differ only where bf16 rounding splits a greedy tie)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    many = prompts * 8
+    many = stopping_prompts * 8
     graphed = hg.HFGenerator(str(smollm2_path), smollm2[1], STOP, NEW, 0.0)
     graphed.max_rows = 16  # two groups
     made = []

@@ -31,15 +31,15 @@ def _group(prompts, width, pad=2):
     return ids, mask
 
 
-def test_left_padded_rows_decode_to_plain_greedy_tokens_and_stop_at_a_check(smollm2, prompts, monkeypatch):
+def test_left_padded_rows_decode_to_plain_greedy_tokens_and_stop_at_a_check(smollm2, stopping_prompts, monkeypatch):
     from transformers import StaticCache
 
     model, _ = smollm2
-    reference = [_plain(model, p) for p in prompts]
+    reference = [_plain(model, p) for p in stopping_prompts]
     ends = [len(r) for r in reference]
     assert min(ends) < max(ends) <= NEW  # rows stop at different steps, every one before NEW tokens
-    width = max(len(p) for p in prompts) + 3  # every row left-padded
-    ids, mask = _group(prompts, width)
+    width = max(len(p) for p in stopping_prompts) + 3  # every row left-padded
+    ids, mask = _group(stopping_prompts, width)
     calls = []
 
     def step(**kw):
@@ -79,38 +79,38 @@ def test_the_decode_step_compiles_where_generate_would(smollm2):
     assert static_decode.compiled_forward(model, config, "cpu") is model.get_compiled_call(config)
 
 
-def test_sampling_keeps_generate(smollm2_path, smollm2, prompts, monkeypatch):
+def test_sampling_keeps_generate(smollm2_path, smollm2, stopping_prompts, monkeypatch):
     """Temperature > 0 goes through `generate` with the static cache; greedy never calls it, unless asked to."""
     gen = HFGenerator(str(smollm2_path), smollm2[1], STOP, 4, 0.7, static_cache=True)
     used = []
     real = gen.model.generate
     name = cache_kwarg(gen.model)
     monkeypatch.setattr(gen.model, "generate", lambda **kw: used.append(kw[name]) or real(**kw))
-    assert len(gen.generate(prompts[:2], seed=1)) == 2 and len(used) == 1 and used[0] is not None
+    assert len(gen.generate(stopping_prompts[:2], seed=1)) == 2 and len(used) == 1 and used[0] is not None
     greedy = HFGenerator(str(smollm2_path), smollm2[1], STOP, 4, 0.0, static_cache=True)
     monkeypatch.setattr(greedy.model, "generate", lambda **kw: pytest.fail("greedy rows went through generate"))
-    looped = greedy.generate(prompts[:2])
+    looped = greedy.generate(stopping_prompts[:2])
     assert len(looped) == 2
     # the bench's baseline (`regen-generate`): greedy rows through generate, the same answers
     through = HFGenerator(str(smollm2_path), smollm2[1], STOP, 4, 0.0, static_cache=True, greedy_loop=False)
     used.clear()
     real = through.model.generate
     monkeypatch.setattr(through.model, "generate", lambda **kw: used.append(kw[name]) or real(**kw))
-    assert through.generate(prompts[:2]) == looped and len(used) == 1
+    assert through.generate(stopping_prompts[:2]) == looped and len(used) == 1
 
 
-def test_finished_rows_leave_the_batch_when_it_shrinks(smollm2, prompts):
+def test_finished_rows_leave_the_batch_when_it_shrinks(smollm2, stopping_prompts):
     """`shrink` (the CPU's loop): at a check where at least a quarter of the decoding rows have finished, they
     leave the batch and the cache; every row still gets plain greedy generate's tokens, in its own row."""
     from transformers import StaticCache
 
     model, _ = smollm2
-    reference = [_plain(model, p) for p in prompts]
+    reference = [_plain(model, p) for p in stopping_prompts]
     ends = sorted(len(r) for r in reference)
     every = static_decode.CHECK_EVERY
     assert ends[0] < every < ends[-1]  # one row stops before the first check, one decodes past it
-    width = max(len(p) for p in prompts)
-    ids, mask = _group(prompts, width)
+    width = max(len(p) for p in stopping_prompts)
+    ids, mask = _group(stopping_prompts, width)
     rows_seen = []
 
     def step(**kw):
@@ -123,7 +123,7 @@ def test_finished_rows_leave_the_batch_when_it_shrinks(smollm2, prompts):
     for row, ref in zip(tokens, reference, strict=True):
         assert row[: len(ref)] == ref and all(t == 2 for t in row[len(ref):])
     finished_at_check = sum(e <= every for e in ends)  # rows whose stop token came by the first check
-    assert 4 * finished_at_check >= len(prompts)
-    assert rows_seen[: every - 1] == [len(prompts)] * (every - 1)  # all rows until the first check...
-    assert rows_seen[every - 1] == len(prompts) - finished_at_check  # ...then only those still decoding
-    assert cache.layers[0].keys.shape[0] == min(rows_seen) < len(prompts)  # the cache shrank with them
+    assert 4 * finished_at_check >= len(stopping_prompts)
+    assert rows_seen[: every - 1] == [len(stopping_prompts)] * (every - 1)  # all rows until the first check...
+    assert rows_seen[every - 1] == len(stopping_prompts) - finished_at_check  # ...then only those still decoding
+    assert cache.layers[0].keys.shape[0] == min(rows_seen) < len(stopping_prompts)  # the cache shrank with them

@@ -113,3 +113,12 @@ def test_data_flows_one_way_through_the_stage_folders():
         if name in stage:
             later = ORDER[ORDER.index(stage[name]) + 1:]
             assert not [m for m in _resolved_imports(path, set(modules)) if stage.get(m) in later], name
+
+
+def test_one_conftest_for_the_helpers_tests_import():
+    """Tests import helpers with `from conftest import ...`; pytest registers every conftest.py as the module
+    `conftest`, so a second one shadows the first for whichever tests import after it (a fresh-clone run failed 22
+    e2e tests that way, 2026-12-06)."""
+    importers = [p for p in (ROOT / "tests").rglob("*.py") if "from conftest import" in p.read_text()]
+    assert importers  # the pattern this guards is in use
+    assert sorted((ROOT / "tests").rglob("conftest.py")) == [ROOT / "tests" / "conftest.py"]

@@ -311,10 +311,10 @@ class HFGenerator:
     def _decode_step_for(self, cache):
         """The greedy loop's decode step for one group over `cache`: a new `GraphedStep` (it records over this
         group's buffers), or the compiled or eager model call, made once."""
+        reason = recordable(cache) if self.decode_step in ("auto", "graphs") else None
         if self.decode_step == "auto":
-            self.decode_step = "graphs" if self.device == "cuda" and recordable(cache) is None else "compiled"
+            self.decode_step = "graphs" if self.device == "cuda" and reason is None else "compiled"
         if self.decode_step == "graphs":
-            reason = recordable(cache)
             if reason is not None:
                 raise ValueError(f"decode_step='graphs': this target's cache cannot be recorded ({reason}); use "
                                  "'compiled' or 'auto'")
@@ -327,12 +327,12 @@ class HFGenerator:
     def _static_cache(self, rows: int, width: int):
         """The cache of this shape (reset) when one is kept, else a new one. Kept caches stay while they fit
         beside this group in SAFETY x free memory (on CUDA; elsewhere all are kept), the least recently used
-        dropped first."""
+        dropped first. Shrinking groups keep none: a group may leave its cache with fewer rows than it had."""
+        from transformers import StaticCache
+
         length = width + self.max_new_tokens
         key = (rows, length)
-        if self.shrink:  # a group may leave its cache with fewer rows than it was made with: never kept
-            from transformers import StaticCache
-
+        if self.shrink:
             return StaticCache(config=self.model.config, max_cache_len=length)
         kept = self._caches.pop(key, None)
         if kept is not None:
@@ -344,8 +344,6 @@ class HFGenerator:
             group = rows * bytes_per_row(self.model.config, self.dtype_bytes, width, self.max_new_tokens)
             while self._caches and group + sum(r * n * kv for r, n in self._caches) > SAFETY * self.free_bytes:
                 del self._caches[next(iter(self._caches))]
-        from transformers import StaticCache
-
         cache = StaticCache(config=self.model.config, max_cache_len=length)
         self._caches[key] = cache
         return cache

@@ -71,17 +71,21 @@ def greedy_decode(model, step, ids, mask, cache, max_new_tokens: int, stop_ids: 
         del out  # the prefill's logits and activations, before the decode steps' CUDA graph pools
         tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
-        alive = torch.arange(rows, device=device)  # each decoding row's row in `tokens`
+        alive = None  # after a shrink: each decoding row's row in `tokens`
         for k in range(max_new_tokens):
-            tokens[alive, k] = torch.where(done, pad_id, token)
+            if alive is None:
+                tokens[:, k] = torch.where(done, pad_id, token)
+            else:
+                tokens[alive, k] = torch.where(done, pad_id, token)
             done |= torch.isin(token, stops)
-            if k + 1 == max_new_tokens or ((k + 1) % CHECK_EVERY == 0 and bool(done.all())):
+            check = (k + 1) % CHECK_EVERY == 0
+            if k + 1 == max_new_tokens or (check and bool(done.all())):
                 return tokens[:, :k + 1]
-            if shrink and (k + 1) % CHECK_EVERY == 0 and 4 * int(done.sum()) >= len(done):
+            if shrink and check and 4 * int(done.sum()) >= len(done):
                 keep = (~done).nonzero().squeeze(1)
                 cache.reorder_cache(keep)
-                full_mask, prompt_len, token, alive, done = (t[keep] for t in (full_mask, prompt_len, token, alive,
-                                                                                done))
+                alive = keep if alive is None else alive[keep]
+                full_mask, prompt_len, token, done = (t[keep] for t in (full_mask, prompt_len, token, done))
             # the argmax is taken at once and no reference to the logits is kept: with CUDA graphs the next
             # replay writes over this one's outputs
             token = step(input_ids=token[:, None], attention_mask=full_mask, position_ids=(prompt_len + k)[:, None],

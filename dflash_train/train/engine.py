@@ -1,8 +1,10 @@
 """DeepSpeed as the training engine: process group, engine, optimizer and schedule.
 
-Single process by default: without a launcher we create a gloo world of one ourselves, which
-also avoids DeepSpeed's communication op build (`deepspeed.init_distributed` compiles a C++
-op on CPU). Under `deepspeed` or `torchrun` the launcher's environment gives rank and world.
+Single process by default: without a launcher we create a gloo world of one ourselves. Under
+`deepspeed` or `torchrun` the launcher's environment gives rank and world. DeepSpeed's communication
+backend compiles a C++ shared-memory all-reduce op on a CPU the first time it starts on a machine
+(52 s on a fresh 2-core machine, the first `make demo`'s whole setup lap); a world of one reduces
+nothing, so there it starts without that op (`_without_shm_op`).
 The optimizer is handed to DeepSpeed as the client optimizer (no op build). Without ZeRO it is the
 toolkit's `DeviceAdamW` (train/optimizer.py: fp32 masters, fused AdamW, the gradient clip on the
 device), and DeepSpeed's bf16 mode and clipping are off so that DeepSpeed does not wrap it in its
@@ -14,6 +16,7 @@ instead. With ZeRO 1-3 it is torch's AdamW (fused on CUDA) inside DeepSpeed's Ze
 from __future__ import annotations
 
 import atexit
+import importlib
 import math
 import os
 import socket
@@ -175,6 +178,26 @@ def muon_matrices(model: torch.nn.Module, on: Iterable[str] = tuple(MUON_GROUPS)
     return [p for name, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and takes(name)]
 
 
+@contextmanager
+def _without_shm_op():
+    """DeepSpeed's communication backend started without its CPU shared-memory op where this process is the
+    whole world: `TorchBackend` builds the op when it starts (a C++ compile on a machine's first run) and uses
+    it only to all-reduce between ranks on one host. A GPU's backend builds nothing; a CPU world of several
+    ranks keeps the op."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        yield
+        return
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # the name `torch` in deepspeed.comm is torch
+    build = ds_torch_comm.build_shm_op
+    ds_torch_comm.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch_comm.build_shm_op = build
+
+
 def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
     """(engine, scheduler). The scheduler steps once per optimizer step, inside engine.step()."""
     import deepspeed
@@ -203,9 +226,10 @@ def build_engine(model: torch.nn.Module, recipe: TrainRecipe, total_steps: int):
 
     # DeepSpeed's own AdamW (engine.optimizer: deepspeed) takes the decay's groups from the parameters it is given
     groups = params if optimizer is not None else decay_groups(params, o.weight_decay, o.weight_decay_on)
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=groups, optimizer=optimizer, config=deepspeed_config(recipe),
-        lr_scheduler=make_scheduler, dist_init_required=False)
+    with _without_shm_op():
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=model, model_parameters=groups, optimizer=optimizer, config=deepspeed_config(recipe),
+            lr_scheduler=make_scheduler, dist_init_required=False)
     if engine.zero_optimization_stage() == 0 and engine.dp_world_size == 1:
         # one rank has nothing to reduce, but DeepSpeed still flattens every gradient into one buffer after the
         # backward, all-reduces it with itself and copies it back: 15-30 ms of a ~450 ms CPU demo step, and a

@@ -37,11 +37,15 @@ logging: {{log_every: 1, eval_every: 100, progress: false}}
 eval: {{enabled: true, max_prompts: 2, max_new_tokens: 8}}
 """)
     out = tmp_path / "run"
+    # where torch would JIT-build DeepSpeed's CPU shared-memory op: one process starts its engine without it (a C++
+    # compile of ~50 s on a fresh machine, for an all-reduce between ranks)
+    extensions = tmp_path / "torch_extensions"
     res = subprocess.run([str(BIN / "dflash-train"), "train", "--config", str(recipe), "--output", str(out),
                           "--max-steps", "3", "--save-every", "2"], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "TORCH_EXTENSIONS_DIR": str(extensions)})
     assert res.returncode == 0, res.stderr[-3000:]
     assert "drafter:" in res.stdout
+    assert not extensions.exists() and "shm_comm" not in res.stdout + res.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["val_loss"] is not None and len(summary["val_acc_per_position"]) == 7
     assert 0 < summary["train_loss"] < 100 and 1.0 <= summary["val_accept_len"] <= 8.0

@@ -63,8 +63,9 @@ def resolve(choice: str, model: DFlashDraftModel, recipe, *, attention: str, dev
     """`objective.training_forward` for this run: eager or compiled. auto: compiled where it was measured faster, a
     bf16-mixed step on a CPU with AMX (`machine.cpu_amx`, or `amx`), for runs of at least `AUTO_MIN_STEPS` steps
     that it can take (`ineligible`); eager elsewhere: an fp32 step (no faster compiled on AVX2: 290 against 293 ms,
-    with ~80 s of compiles), a CPU with AVX512-BF16 but no AMX and a GPU (unmeasured), and short runs (tests, smoke
-    runs), whose steps would not pay back the compiles. `compiled` where it cannot run is refused.
+    with ~80 s of compiles), a CPU with AVX512-BF16 but no AMX (0.92x the step on Zen 4 once compiled, but ~77 s of
+    compiles that the demo's 2,000 steps do not pay back on a first run), a GPU (unmeasured), and short runs (tests,
+    smoke runs), whose steps would not pay back the compiles. `compiled` where it cannot run is refused.
     attention: the resolved `objective.attention`."""
     why = ineligible(model, attention=attention, prefix_weighting=recipe.objective.prefix_weighting,
                      zero_stage=recipe.engine.zero_stage)

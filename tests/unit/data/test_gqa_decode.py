@@ -1,5 +1,6 @@
-"""The regenerator's decode attention: one-token queries attend on the stored K/V heads (no repeat_kv), and
-give what transformers' SDPA gives, eager and compiled, on random tensors and on the real SmolLM2 target."""
+"""The target's attention for regeneration and the eval's verify: one-token queries and blocks of a few attend on
+the stored K/V heads (no repeat_kv), and give what transformers' SDPA gives, eager and compiled, on random tensors
+and on the real SmolLM2 target."""
 
 from __future__ import annotations
 
@@ -48,6 +49,25 @@ def test_decode_step_equals_transformers_sdpa_without_repeating_kv(mask, monkeyp
     assert calls == []  # the stored heads were read as they are
 
 
+@pytest.mark.parametrize("mask", ["bool", "float"])
+def test_a_verified_block_equals_transformers_sdpa_without_repeating_kv(mask, monkeypatch):
+    """A block of query tokens over a longer cache (the eval's batched verify): causal inside the block, holes
+    of rejected slots before it; the folded heads give transformers' result without repeat_kv."""
+    q, k, v, m = _inputs(q_len=4, kv_len=13, mask=mask)
+    if mask == "bool":
+        m = m & torch.ones(4, 13, dtype=torch.bool).tril(9)  # query i sees keys up to 9 + i
+        m[0, ..., 5] = False  # a rejected slot of an earlier block
+    layer = _Layer(groups=3)
+    want, _ = sdpa_attention.sdpa_attention_forward(layer, q, k, v, m, scaling=0.25)
+    calls = []
+    real = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: calls.append(a) or real(*a))
+    got, _ = gqa_decode_attention(layer, q, k, v, m, scaling=0.25)
+    assert got.shape == want.shape == (3, 4, 6, 16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert calls == []
+
+
 def test_compiled_decode_step_equals_eager():
     """Under torch.compile, where transformers' own SDPA path would call repeat_kv, the folded query
     still gives the eager result."""
@@ -62,8 +82,10 @@ def test_prefill_and_plain_heads_go_to_transformers_sdpa(monkeypatch):
     seen = []
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **kw: seen.append(a[1].shape) or (a[1], None))
     gqa_decode_attention(_Layer(groups=3), *_inputs(q_len=5, kv_len=5))  # prefill
+    gqa_decode_attention(_Layer(groups=3), *_inputs(q_len=17, kv_len=40))  # a chunk longer than a block
+    gqa_decode_attention(_Layer(groups=3), *_inputs(q_len=4, kv_len=40, mask="none"))  # no mask: causal from key 0
     gqa_decode_attention(_Layer(groups=1), *_inputs(groups=1))  # no GQA
-    assert seen == [(3, 6, 5, 16), (3, 2, 1, 16)]
+    assert seen == [(3, 6, 5, 16), (3, 6, 17, 16), (3, 6, 4, 16), (3, 2, 1, 16)]
 
 
 def test_smollm2_generates_the_same_tokens_with_it(smollm2):

@@ -86,6 +86,32 @@ def test_a_row_that_meets_eos_leaves_while_the_others_go_on(smollm2):
         assert row.tokens == one.tokens and _steps(row) == _steps(one)
 
 
+def test_the_prefill_pads_nothing_and_the_verify_reads_the_stored_kv_heads(smollm2, monkeypatch):
+    """Each prompt is prefilled alone (a padded batch computed all at the longest one's length), and the verify
+    forwards' masked blocks attend on the cached K/V heads as stored, without transformers' repeat_kv copies; the
+    target's attention setting is given back after."""
+    from transformers.integrations import sdpa_attention
+
+    target, tokenizer = smollm2
+    prompts = render_prompts(tokenizer, [[{"role": "user", "content": q}] for q in QUESTIONS])
+    plain = [plain_generate(target, p, 12) for p in prompts]
+    cfg = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=16,
+                                  dtype="float32")
+    shapes, repeats, real = [], [], sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: repeats.append(a[0].shape) or real(*a))
+    hook = target.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                            with_kwargs=True)
+    refs = [(p + g.tokens, 3) for p, g in zip(prompts, plain, strict=True)]
+    try:
+        many = batched_speculative_generate(_oracle(target, cfg, refs), target, prompts, 12, 4)
+    finally:
+        hook.remove()
+    assert [r.tokens for r in many] == [g.tokens for g in plain]
+    assert shapes[:3] == [(1, len(p)) for p in prompts]
+    assert len(shapes) > 4 and all(s == (len(prompts), 4) for s in shapes[3:5])
+    assert repeats == [] and target.config._attn_implementation == "sdpa"
+
+
 @pytest.mark.parametrize("model_type, can", [("qwen3", True), ("deepseek_v3", True), ("gemma3_text", False),
                                              ("qwen3_next", False)])
 def test_other_cache_kinds(model_type, can, tiny_target):

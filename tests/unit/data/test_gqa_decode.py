@@ -35,37 +35,32 @@ def _inputs(batch=3, kv_heads=2, groups=3, q_len=1, kv_len=11, dim=16, mask="boo
     return q, k, v, m
 
 
-@pytest.mark.parametrize("mask", ["bool", "float", "none"])
-def test_decode_step_equals_transformers_sdpa_without_repeating_kv(mask, monkeypatch):
-    q, k, v, m = _inputs(mask=mask)
+def _equals_sdpa_without_repeating_kv(monkeypatch, q, k, v, m, shape):
     layer = _Layer(groups=3)
     want, _ = sdpa_attention.sdpa_attention_forward(layer, q, k, v, m, scaling=0.25)
     calls = []
     real = sdpa_attention.repeat_kv
     monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: calls.append(a) or real(*a))
     got, _ = gqa_decode_attention(layer, q, k, v, m, scaling=0.25)
-    assert got.shape == want.shape == (3, 1, 6, 16)
+    assert got.shape == want.shape == shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert calls == []  # the stored heads were read as they are
+
+
+@pytest.mark.parametrize("mask", ["bool", "float", "none"])
+def test_decode_step_equals_transformers_sdpa_without_repeating_kv(mask, monkeypatch):
+    _equals_sdpa_without_repeating_kv(monkeypatch, *_inputs(mask=mask), shape=(3, 1, 6, 16))
 
 
 @pytest.mark.parametrize("mask", ["bool", "float"])
 def test_a_verified_block_equals_transformers_sdpa_without_repeating_kv(mask, monkeypatch):
     """A block of query tokens over a longer cache (the eval's batched verify): causal inside the block, holes
     of rejected slots before it; the folded heads give transformers' result without repeat_kv."""
-    q, k, v, m = _inputs(q_len=4, kv_len=13, mask=mask)
-    if mask == "bool":
-        m = m & torch.ones(4, 13, dtype=torch.bool).tril(9)  # query i sees keys up to 9 + i
-        m[0, ..., 5] = False  # a rejected slot of an earlier block
-    layer = _Layer(groups=3)
-    want, _ = sdpa_attention.sdpa_attention_forward(layer, q, k, v, m, scaling=0.25)
-    calls = []
-    real = sdpa_attention.repeat_kv
-    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: calls.append(a) or real(*a))
-    got, _ = gqa_decode_attention(layer, q, k, v, m, scaling=0.25)
-    assert got.shape == want.shape == (3, 4, 6, 16)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert calls == []
+    q, k, v, keep = _inputs(q_len=4, kv_len=13)
+    keep = keep & torch.ones(4, 13, dtype=torch.bool).tril(9)  # query i sees keys up to 9 + i
+    keep[0, ..., 5] = False  # a rejected slot of an earlier block
+    m = keep if mask == "bool" else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    _equals_sdpa_without_repeating_kv(monkeypatch, q, k, v, m, shape=(3, 4, 6, 16))
 
 
 def test_compiled_decode_step_equals_eager():

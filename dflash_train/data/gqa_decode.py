@@ -12,8 +12,8 @@ and for a block of up to `BLOCK_QUERIES` query tokens over a longer cache (the e
 block: its per-query mask, shared by the heads, is tiled over the folded groups). The mask of a decode step is
 shared by all heads, (batch, 1, 1, kv_len), and broadcasts over the folded axes unchanged.
 
-Prefill (a query as long as its keys, or longer than a block, or without a mask), models without GQA and anything unusual (a position
-bias, softcap) go to transformers' own SDPA function unchanged.
+Prefill (a query as long as its keys, longer than a block, or without a mask), models without GQA and anything
+unusual (a position bias, softcap) go to transformers' own SDPA function unchanged.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def _generate(draft, target, prompts, max_new_tokens, block_size, eos_token_ids,
     # tokens for the demo's 1,568), its cache then right-aligned in one left-padded cache, positions from 0
     width = max(len(p) for p in prompts)
     attn = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    rows, kv = [], []
+    rows, layers = [], None  # layers: the batch's (keys, values) per layer, filled prompt by prompt
     for r, p in enumerate(prompts):
         alone = DynamicCache(config=target.config)
         with capture_layers(target, layer_ids) as cap:
@@ -110,15 +110,14 @@ def _generate(draft, target, prompts, max_new_tokens, block_size, eos_token_ids,
         draft.append_context(row.ctx, cap.features().to(draft_device), torch.arange(len(p), device=draft_device)[None])
         rows.append(row)
         attn[r, width - len(p):] = 1
-        kv.append([(layer.keys, layer.values) for layer in alone.layers])
+        if layers is None:
+            layers = [tuple(t.new_zeros(len(prompts), *t.shape[1:-2], width, t.shape[-1]) for t in (a.keys, a.values))
+                      for a in alone.layers]
+        for (keys, values), a in zip(layers, alone.layers, strict=True):
+            keys[r, ..., width - len(p):, :], values[r, ..., width - len(p):, :] = a.keys[0], a.values[0]
     cache = DynamicCache(config=target.config)
-    for i in range(len(kv[0])):
-        keys, values = (torch.zeros(len(prompts), *t.shape[1:-2], width, t.shape[-1], dtype=t.dtype, device=t.device)
-                        for t in kv[0][i])
-        for r, p in enumerate(prompts):
-            keys[r, ..., width - len(p):, :], values[r, ..., width - len(p):, :] = kv[r][i][0][0], kv[r][i][1][0]
+    for i, (keys, values) in enumerate(layers):
         cache.update(keys, values, i)
-    del kv
     live = [r for r in range(len(rows)) if not rows[r].done(eos, max_new_tokens)]
     if on_done:
         on_done(len(rows) - len(live))

@@ -4,7 +4,9 @@ Single process by default: without a launcher we create a gloo world of one ours
 `deepspeed` or `torchrun` the launcher's environment gives rank and world. DeepSpeed's communication
 backend compiles a C++ shared-memory all-reduce op on a CPU the first time it starts on a machine
 (52 s on a fresh 2-core machine, the first `make demo`'s whole setup lap); a world of one reduces
-nothing, so there it starts without that op (`_without_shm_op`).
+nothing, so there it starts without that op (`_without_shm_op`). DeepSpeed is told the trainer's device
+(`pin_deepspeed_accelerator`): left to itself it prefers an Apple or Intel GPU where torch sees one, and would
+move the drafter there while the batches stay on the CPU.
 The optimizer is handed to DeepSpeed as the client optimizer (no op build). Without ZeRO it is the
 toolkit's `DeviceAdamW` (train/optimizer.py: fp32 masters, fused AdamW, the gradient clip on the
 device), and DeepSpeed's bf16 mode and clipping are off so that DeepSpeed does not wrap it in its
@@ -20,12 +22,14 @@ import importlib
 import math
 import os
 import socket
+import sys
 from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from dflash_train.errors import ConfigError
 from dflash_train.train.recipe import TrainRecipe
 
 
@@ -68,7 +72,28 @@ def init_distributed() -> World:
         dist.init_process_group("nccl" if cuda else "gloo")
         atexit.register(_destroy_process_group)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    pin_deepspeed_accelerator(device)
     return World(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def pin_deepspeed_accelerator(device: torch.device) -> None:
+    """DeepSpeed's accelerator set to the trainer's device (`cuda` or `cpu`). DeepSpeed picks one when it is
+    first used, and takes an Apple GPU (`mps`) or an Intel GPU (`xpu`) before the CPU wherever torch has one: its
+    engine would then move the drafter to that GPU while the trainer's batches stay on the CPU (every `make demo`
+    on an Apple-silicon Mac). $DS_ACCELERATOR set to another device is refused by name."""
+    want = device.type
+    chosen = os.environ.get("DS_ACCELERATOR")
+    if chosen and chosen != want:
+        raise ConfigError(f"DS_ACCELERATOR={chosen}: dflash-train trains on {want} here (CUDA when torch sees a "
+                          f"CUDA GPU, else the CPU) and DeepSpeed must use the same device; unset DS_ACCELERATOR or "
+                          f"set DS_ACCELERATOR={want}")
+    os.environ["DS_ACCELERATOR"] = want
+    if "deepspeed" in sys.modules:  # imported before the trainer started: its pick may be made already
+        from deepspeed.accelerator import get_accelerator, set_accelerator
+
+        if get_accelerator().device_name() != want:
+            module = importlib.import_module(f"deepspeed.accelerator.{want}_accelerator")
+            set_accelerator(getattr(module, f"{want.upper()}_Accelerator")())
 
 
 def _destroy_process_group() -> None:

@@ -26,6 +26,7 @@ finishes.
 
 from __future__ import annotations
 
+from dflash_train.model.greedy import greedy_ids
 from dflash_train.target import cache_kwarg
 
 CHECK_EVERY = 16  # decode steps between two reads of "has every row finished" (one host sync each)
@@ -67,7 +68,7 @@ def greedy_decode(model, step, ids, mask, cache, max_new_tokens: int, stop_ids: 
     with torch.no_grad():  # as `generate`
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                     **{cache_kw: cache})
-        token = out.logits[:, -1].argmax(-1)
+        token = greedy_ids(out.logits[:, -1])
         del out  # the prefill's logits and activations, before the decode steps' CUDA graph pools
         tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -88,6 +89,7 @@ def greedy_decode(model, step, ids, mask, cache, max_new_tokens: int, stop_ids: 
                 full_mask, prompt_len, token, done = (t[keep] for t in (full_mask, prompt_len, token, done))
             # the argmax is taken at once and no reference to the logits is kept: with CUDA graphs the next
             # replay writes over this one's outputs
-            token = step(input_ids=token[:, None], attention_mask=full_mask, position_ids=(prompt_len + k)[:, None],
-                         use_cache=True, logits_to_keep=1, **{cache_kw: cache}).logits[:, -1].argmax(-1)
+            token = greedy_ids(step(input_ids=token[:, None], attention_mask=full_mask,
+                                    position_ids=(prompt_len + k)[:, None], use_cache=True, logits_to_keep=1,
+                                    **{cache_kw: cache}).logits[:, -1])
     return tokens

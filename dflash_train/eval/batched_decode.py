@@ -29,6 +29,7 @@ import torch
 
 from dflash_train.eval.results import Generation, Step
 from dflash_train.features.extract import capture_layers
+from dflash_train.model.greedy import greedy_ids
 from dflash_train.target import cache_arg
 
 
@@ -106,7 +107,7 @@ def _generate(draft, target, prompts, max_new_tokens, block_size, eos_token_ids,
         with capture_layers(target, layer_ids) as cap:
             out = target(input_ids=torch.tensor([list(p)], device=device), **cache_arg(target, alone), use_cache=True,
                          logits_to_keep=1)
-        row = _Row(draft, len(p), int(out.logits[0, -1].argmax()))
+        row = _Row(draft, len(p), int(greedy_ids(out.logits[0, -1])))
         draft.append_context(row.ctx, cap.features().to(draft_device), torch.arange(len(p), device=draft_device)[None])
         rows.append(row)
         attn[r, width - len(p):] = 1
@@ -133,7 +134,7 @@ def _generate(draft, target, prompts, max_new_tokens, block_size, eos_token_ids,
             block[0, 0] = row.tokens[-1]
             hidden = draft.forward_block(draft.embed(block), torch.tensor([row.position], device=draft_device),
                                          row.ctx)
-            proposals = draft.draft_to_target(draft.logits(hidden[0, 1:]).argmax(-1)).tolist()
+            proposals = draft.draft_to_target(greedy_ids(draft.logits(hidden[0, 1:]))).tolist()
             verify.append([row.tokens[-1], *proposals])
             positions.append(list(range(row.position, row.position + b)))
         attn = torch.cat([attn, attn.new_ones(len(live), b)], dim=-1)
@@ -141,7 +142,7 @@ def _generate(draft, target, prompts, max_new_tokens, block_size, eos_token_ids,
             out = target(input_ids=torch.tensor(verify, device=device), attention_mask=attn,
                          position_ids=torch.tensor(positions, device=device), **cache_arg(target, cache),
                          use_cache=True)
-        greedy, feats = out.logits.argmax(-1).tolist(), cap.features()
+        greedy, feats = greedy_ids(out.logits).tolist(), cap.features()
         stay = []
         for i, r in enumerate(live):
             row, proposals = rows[r], verify[i][1:]

@@ -31,6 +31,7 @@ from dflash_train.errors import ConfigError
 from dflash_train.eval.batched_decode import batchable, batched_speculative_generate, greedy_accept, stop_index
 from dflash_train.eval.results import Generation, PromptResult, Step
 from dflash_train.features.extract import capture_layers
+from dflash_train.model.greedy import greedy_ids
 from dflash_train.target import cache_arg
 
 # ---- sampling helpers ------------------------------------------------------------------------
@@ -42,7 +43,7 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     """One token from [V] logits: argmax when temperature == 0, else a sample at `temperature`."""
     if temperature <= 0:
-        return int(logits.argmax(-1))
+        return int(greedy_ids(logits))
     probs = _probs(logits, temperature).cpu()
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -61,7 +62,7 @@ def _draft_probs(draft, draft_logits: torch.Tensor, temperature: float) -> torch
 def _propose(draft, draft_logits: torch.Tensor, temperature: float, generator):
     """Draft tokens (target ids) for each slot, and q over the target vocab (None when greedy)."""
     if temperature <= 0:
-        return draft.draft_to_target(draft_logits.argmax(-1)).tolist(), None
+        return draft.draft_to_target(greedy_ids(draft_logits)).tolist(), None
     q = _draft_probs(draft, draft_logits, temperature).cpu()
     return torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q
 
@@ -70,7 +71,7 @@ def _verify(proposals: list[int], q: torch.Tensor | None, target_logits: torch.T
             temperature: float, generator) -> tuple[int, int]:
     """(number of leading proposals accepted, the token the target adds after them)."""
     if temperature <= 0:
-        return greedy_accept(proposals, target_logits.argmax(-1).tolist())
+        return greedy_accept(proposals, greedy_ids(target_logits).tolist())
     p = _probs(target_logits, temperature).cpu()
     for k, tok in enumerate(proposals):
         ratio = p[k, tok] / q[k, tok]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.features.layer_ids import check_target_layer_ids
+from dflash_train.model.greedy import greedy_ids
 
 _HEAD_CHUNK = 256  # positions per LM-head call when only the argmax / top-k are kept
 
@@ -60,7 +61,7 @@ def head_outputs(head, final: torch.Tensor, topk: int | None = None, chunk: int 
         out = torch.full((n,), -1, dtype=torch.long, device=final.device)
         picked = where.nonzero().squeeze(1)
         for s in range(0, picked.numel(), chunk):
-            out[picked[s: s + chunk]] = head(flat[picked[s: s + chunk]]).argmax(-1)
+            out[picked[s: s + chunk]] = greedy_ids(head(flat[picked[s: s + chunk]]))
         greedy = False
     else:
         out = torch.empty(n, dtype=torch.long, device=final.device) if greedy else None
@@ -72,17 +73,17 @@ def head_outputs(head, final: torch.Tensor, topk: int | None = None, chunk: int 
         x = flat[s: s + chunk]
         logits = head(x) if greedy else None
         if greedy:
-            out[s: s + chunk] = logits.argmax(-1)
+            out[s: s + chunk] = greedy_ids(logits)
         if topk:
             scores = logits if rows is None else torch.nn.functional.linear(x, rows)
             values, index = torch.log_softmax(scores.float(), -1).topk(topk, dim=-1)
             ids[s: s + chunk] = index if vocab is None else vocab[index]
             logp[s: s + chunk] = values
         del logits
-    greedy_ids = out.view(shape) if out is not None else None
+    greedy_tokens = out.view(shape) if out is not None else None
     if not topk:
-        return greedy_ids, None, None
-    return greedy_ids, ids.view(*shape, topk), logp.view(*shape, topk)
+        return greedy_tokens, None, None
+    return greedy_tokens, ids.view(*shape, topk), logp.view(*shape, topk)
 
 
 def vocab_tag(vocab: torch.Tensor) -> str:

@@ -249,9 +249,10 @@ def train(config: Path = typer.Option(..., "--config", help="Recipe YAML (see re
 
         ev = resolved.recipe.eval
         report = evaluate_run(out, target=resolved.recipe.target, max_prompts=ev.max_prompts,
-                              max_new_tokens=ev.max_new_tokens, device="cuda" if torch.cuda.is_available() else None)
-        typer.echo(f"held-out spec decode: tau={report['tau']:.3f} lossless={report['lossless']} "
-                   f"speedup={report['speedup']}")
+                              max_new_tokens=ev.max_new_tokens, device="cuda" if torch.cuda.is_available() else None,
+                              measure_speedup=ev.measure_speedup)
+        speedup = f" speedup={report['speedup']:.2f}" if report.get("speedup") is not None else ""
+        typer.echo(f"held-out spec decode: tau={report['tau']:.3f} lossless={report['lossless']}{speedup}")
     if summary:
         keys = ("steps", "train_loss", "val_loss", "val_accept_len", "fit_accept_len", "wall_time_s")
         typer.echo(" ".join(f"{k}={summary.get(k)}" for k in keys))

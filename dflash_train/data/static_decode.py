@@ -26,7 +26,7 @@ finishes.
 
 from __future__ import annotations
 
-from dflash_train.model.greedy import greedy_ids
+from dflash_train.greedy import greedy_ids
 from dflash_train.target import cache_kwarg
 
 CHECK_EVERY = 16  # decode steps between two reads of "has every row finished" (one host sync each)

@@ -29,7 +29,7 @@ import torch
 
 from dflash_train.eval.results import Generation, Step
 from dflash_train.features.extract import capture_layers
-from dflash_train.model.greedy import greedy_ids
+from dflash_train.greedy import greedy_ids
 from dflash_train.target import cache_arg
 
 

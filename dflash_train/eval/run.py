@@ -127,9 +127,11 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
 
 
 def evaluate_run(run_dir: str | Path, target: str | None = None, max_prompts: int = 20,
-                 max_new_tokens: int = 128, progress: bool = True, device: str | None = None) -> dict:
+                 max_new_tokens: int = 128, progress: bool = True, device: str | None = None,
+                 measure_speedup: bool = False) -> dict:
     """Evaluate a training run's drafter on its held-out prompts (on `device`, default CPU); write
-    RUN/eval.json, RUN/eval.png and the headline numbers into RUN/summary.json under `eval`."""
+    RUN/eval.json, RUN/eval.png and the headline numbers into RUN/summary.json under `eval`. Without
+    `measure_speedup` the prompts decode as one batch (the recipe's `eval.measure_speedup`)."""
     import json
 
     from dflash_train.model.weights import write_json
@@ -137,6 +139,7 @@ def evaluate_run(run_dir: str | Path, target: str | None = None, max_prompts: in
     run = Path(run_dir)
     report = run_eval(EvalConfig(draft=str(run), target=target, prompts=str(run / "holdout_rows.json"),
                                  num_prompts=max_prompts, max_new_tokens=max_new_tokens, device=device,
+                                 measure_speedup=measure_speedup,
                                  json_out=str(run / "eval.json"), plot=str(run / "eval.png"), overwrite=True), progress=progress)
     from dflash_train.eval.teacher_forced import headline as teacher_forced_headline
 

@@ -31,7 +31,7 @@ from dflash_train.errors import ConfigError
 from dflash_train.eval.batched_decode import batchable, batched_speculative_generate, greedy_accept, stop_index
 from dflash_train.eval.results import Generation, PromptResult, Step
 from dflash_train.features.extract import capture_layers
-from dflash_train.model.greedy import greedy_ids
+from dflash_train.greedy import greedy_ids
 from dflash_train.target import cache_arg
 
 # ---- sampling helpers ------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.features.layer_ids import check_target_layer_ids
-from dflash_train.model.greedy import greedy_ids
+from dflash_train.greedy import greedy_ids
 
 _HEAD_CHUNK = 256  # positions per LM-head call when only the argmax / top-k are kept
 

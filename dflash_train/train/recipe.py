@@ -123,8 +123,7 @@ class DrafterConfig(_Section):
     # the mask slots' input: the target's row of mask_token_id (false), or a vector of the drafter's own started there
     # and trained (true), saved as mask_embedding.pt, which vLLM reads (SGLang always takes the target's row)
     train_mask_embedding: bool = False
-    # start the draft layers from this target decoder layer (-1: the last) and the final norm from
-    # the target's; null: random initialisation
+    # start the draft layers from target decoder layer N (-1: the last), the final norm from the target's; null: random
     init_from_target_layer: int | None = None
     init_from: str | None = None  # start from a saved drafter folder
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # dtype of saved drafters
@@ -181,11 +180,10 @@ class ObjectiveConfig(_Section):
     # above 1 pushes a deeper one toward copying (4 did not teach two). The check (val/, fit/) weighs all alike
     repeat_weight: float = Field(1.0, gt=0)
     trained_slots: int | None = Field(None, ge=1)  # train slots 1..N alone: the last layer computes those; null: all
-    # U(-x, x) times each feature layer's RMS added to the context features of training steps (EAGLE's noise;
-    # the check reads them clean); 0: none
+    # U(-x, x) times each feature layer's RMS added to the context features of training steps (EAGLE's noise; the
+    # check reads them clean); 0: none
     feature_noise: float = Field(0.0, ge=0)
-    # dropout on each draft layer's attention and MLP outputs in training steps (the check and every engine read
-    # the layers whole); 0: none
+    # dropout on each draft layer's attention and MLP outputs in training steps (the check and engines read them whole)
     dropout: float = Field(0.0, ge=0, lt=1)
     # answers: the loss mask's; all: also the prompts' after the template prefix all rows share, always on the
     # target's greedy tokens (with labels: dataset the answers keep the dataset's, and an offline cache computes the
@@ -198,8 +196,7 @@ class ObjectiveConfig(_Section):
     # the head's per-chunk softmax, loss and argmax; auto: fused compiled kernels on a CUDA GPU, eager on
     # CPU (train/head_epilogue.py); compiled also runs on CPU (Inductor's C++ kernels)
     head: Literal["auto", "eager", "compiled"] = "auto"
-    # the draft layers' RMSNorm, SwiGLU and RoPE; auto: fused compiled kernels on a CUDA GPU below ZeRO-3,
-    # eager otherwise (model/fused_ops.py)
+    # the draft layers' RMSNorm, SwiGLU and RoPE; auto: fused compiled kernels on a CUDA GPU below ZeRO-3, else eager
     layer_kernels: Literal["auto", "eager", "compiled"] = "auto"
     # the training forward and its backward as one compiled graph over micro-batches of changing sizes
     # (train/compiled_step.py); auto: compiled where measured faster (bf16-mixed on CPUs with AMX, runs of 1,000+
@@ -294,6 +291,9 @@ class EvalConfig(_Section):
     enabled: bool = False
     max_prompts: int = Field(20, gt=0)
     max_new_tokens: int = Field(128, gt=0)
+    # also decode each prompt plainly, one at a time, for `speedup` (transformers' batch-1 wall clock, not a server's);
+    # off: the prompts verified as one batch, lossless against the target's argmax (8 demo prompts 29.5 s, not 100.5)
+    measure_speedup: bool = False
 
 
 class TrainRecipe(_Section):

@@ -62,6 +62,9 @@ eval: {{enabled: true, max_prompts: 2, max_new_tokens: 8}}
     assert summary["eval"]["tau"] == report["tau"] and 1.0 <= report["tau"] <= 8.0
     assert summary["eval"]["lossless"] is True and report["draft"] == str(out / "final")
     assert (out / "eval.png").is_file()
+    # the recipe leaves eval.measure_speedup off: one batched decode, checked against the target's argmax, no timing
+    assert report["settings"]["batched"] is True and report["speedup"] is None
+    assert report["settings"]["lossless_check"] == "teacher-forced argmax" and "speedup" not in res.stdout
 
 
 @pytest.mark.e2e

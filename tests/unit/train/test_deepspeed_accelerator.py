@@ -42,7 +42,7 @@ print("world:", world.device.type, "engine:", engine.device, "weights:",
 
 def _run(tmp_path, *args, env_extra=None):
     (tmp_path / "sitecustomize.py").write_text(APPLE_GPU_PROBE)
-    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "DFLASH_DS_ACCELERATOR")}
     env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]), PYTHONWARNINGS="ignore",
                CUDA_VISIBLE_DEVICES="", **(env_extra or {}))
     return subprocess.run([sys.executable, "-c", STEP, *args], capture_output=True, text=True, timeout=300,
@@ -74,3 +74,11 @@ def test_ds_accelerator_set_to_another_device_is_refused_by_name(tmp_path):
     assert out.returncode != 0
     assert "DS_ACCELERATOR=mps: dflash-train trains on cpu here" in out.stderr, out.stderr[-3000:]
     assert "unset DS_ACCELERATOR or set DS_ACCELERATOR=cpu" in out.stderr
+
+
+def test_a_parent_dflash_trains_pin_is_not_taken_for_the_users(tmp_path):
+    """A CUDA run pins DS_ACCELERATOR=cuda and its children inherit it; one started with the GPU hidden trains on
+    the CPU instead of refusing the pin as a user's setting."""
+    out = _run(tmp_path, "trainer-first", env_extra={"DS_ACCELERATOR": "cuda", "DFLASH_DS_ACCELERATOR": "cuda"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world: cpu engine: cpu weights: ['cpu'] moved: True" in out.stdout, out.stdout

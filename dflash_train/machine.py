@@ -9,20 +9,26 @@ beside them, so two numbers are compared only when they come from like machines.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from pathlib import Path
 
 from dflash_train.errors import ConfigError
 
-# the CPU instructions that decide how fast bf16 matmuls run on a CPU
+# the CPU instructions that decide how fast bf16 matmuls run on a CPU: x86's /proc/cpuinfo `flags`
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
+# an Arm CPU's: the `Features` (hwcaps) of Linux's /proc/cpuinfo on aarch64 (Neoverse V1/V2/N2, Graviton 3/4, Grace),
+# macOS's hw.optional.arm.FEAT_BF16 (Apple M2 and later)
+ARM_BF16_FLAGS = ("bf16", "sme", "FEAT_BF16")
 # ONEDNN_MAX_CPU_ISA values (oneDNN's cap on the instructions its kernels use) that leave bf16 its own
 BF16_ISA_WORDS = ("BF16", "AMX", "FP16", "AVX10", "ALL", "DEFAULT")
 
 
 def cpu_facts(cpuinfo: str) -> dict:
-    """Model name and bf16 instructions from the text of /proc/cpuinfo (its first processor)."""
+    """Model name and bf16 instructions from the text of /proc/cpuinfo (its first processor). x86 names its model
+    and `flags`; aarch64 only its `Features` and the core's `CPU implementer` / `CPU part` codes, which name it here
+    when nothing better does (`machine_facts` asks lscpu, which knows the codes' names)."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
@@ -31,9 +37,52 @@ def cpu_facts(cpuinfo: str) -> dict:
             continue
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
-            "bf16_instructions": [f for f in BF16_FLAGS if f in flags]}
+    flags = set(fields.get("flags", "").split()) | set(fields.get("Features", "").split())
+    arm_part = " ".join(f"{key} {fields[key]}" for key in ("CPU implementer", "CPU part") if key in fields)
+    return {"cpu": fields.get("model name") or arm_part or platform.processor() or platform.machine(),
+            "bf16_instructions": [f for f in BF16_FLAGS + ARM_BF16_FLAGS if f in flags]}
+
+
+def _command_output(*argv: str) -> str:
+    """A system tool's stdout ('' where it is missing or fails): lscpu, sysctl."""
+    import subprocess
+
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _lscpu_model_name() -> str:
+    for line in _command_output("lscpu").splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "Model name" and value.strip() not in ("", "-"):
+            return value.strip()
+    return ""
+
+
+def this_cpu() -> dict:
+    """`cpu_facts` of this machine (a copy: callers add to it)."""
+    facts = _this_cpu()
+    return {**facts, "bf16_instructions": list(facts["bf16_instructions"])}
+
+
+@functools.cache
+def _this_cpu() -> dict:
+    """/proc/cpuinfo where there is one (an aarch64 core named by lscpu), else macOS's sysctl (the chip's name,
+    FEAT_BF16), else the platform's words and no bf16 instructions. Read once a process."""
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        text = info.read_text(errors="replace")
+        facts = cpu_facts(text)
+        if "model name" not in text:
+            facts["cpu"] = _lscpu_model_name() or facts["cpu"]
+        return facts
+    if platform.system() == "Darwin":
+        name = _command_output("sysctl", "-n", "machdep.cpu.brand_string").strip()
+        bf16 = _command_output("sysctl", "-n", "hw.optional.arm.FEAT_BF16").strip() == "1"
+        return {"cpu": name or platform.machine(), "bf16_instructions": ["FEAT_BF16"] if bf16 else []}
+    return cpu_facts("")
 
 
 def usable_cores() -> int:
@@ -44,8 +93,7 @@ def usable_cores() -> int:
 def machine_facts() -> dict:
     import torch
 
-    info = Path("/proc/cpuinfo")
-    facts = cpu_facts(info.read_text(errors="replace")) if info.is_file() else cpu_facts("")
+    facts = this_cpu()
     facts.update(cores=usable_cores(), torch_threads=torch.get_num_threads(), torch=torch.__version__)
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name()
@@ -60,8 +108,7 @@ def describe(facts: dict) -> str:
 
 
 def cpu_bf16_instructions() -> list[str]:
-    info = Path("/proc/cpuinfo")
-    return cpu_facts(info.read_text(errors="replace"))["bf16_instructions"] if info.is_file() else []
+    return this_cpu()["bf16_instructions"]
 
 
 def cpu_amx(bf16_instructions: list[str] | None = None, isa_cap: str | None = None) -> bool:
@@ -75,7 +122,8 @@ def cpu_amx(bf16_instructions: list[str] | None = None, isa_cap: str | None = No
 def auto_dtype(device, bf16_instructions: list[str] | None = None, isa_cap: str | None = None) -> tuple[str, str]:
     """(dtype, why) for `auto`: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX),
     float32 on the others, where bf16 matmuls are emulated: on 2 AVX2-only cores the demo's bf16
-    regeneration ran 5x slower than float32. `isa_cap` (default $ONEDNN_MAX_CPU_ISA): a cap below the
+    regeneration ran 5x slower than float32. Arm CPUs with bf16 (Graviton 3/4, Neoverse V/N2, Apple M2 and
+    later) get float32 too until a run measures their bf16 against it: only x86 cores have been measured. `isa_cap` (default $ONEDNN_MAX_CPU_ISA): a cap below the
     bf16 instructions makes oneDNN emulate them too. $DFLASH_AUTO_DTYPE (float32, bfloat16) pins the
     CPU's pick: a fleet of mixed machines, or a test suite whose expected numbers are float32's."""
     if str(device).startswith("cuda"):
@@ -88,7 +136,11 @@ def auto_dtype(device, bf16_instructions: list[str] | None = None, isa_cap: str 
     flags = cpu_bf16_instructions() if bf16_instructions is None else bf16_instructions
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA", "") if isa_cap is None else isa_cap).upper()
     if not flags:
-        return "float32", "this CPU has no bf16 instructions (avx512_bf16, amx)"
+        return "float32", "this CPU has no bf16 instructions (avx512_bf16, amx; bf16 on Arm)"
+    if not set(flags) & set(BF16_FLAGS):
+        return "float32", (f"this Arm CPU has {', '.join(flags)}, but whether its bf16 matmuls beat float32 under "
+                           "this torch is unmeasured: set DFLASH_AUTO_DTYPE=bfloat16 to try them "
+                           "(`python bench/bench_features.py --dtypes` times both)")
     if cap and not any(word in cap for word in BF16_ISA_WORDS):
         return "float32", f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN off this CPU's {', '.join(flags)}"
     return "bfloat16", f"this CPU has {', '.join(flags)}"

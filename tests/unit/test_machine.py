@@ -65,3 +65,67 @@ def test_auto_dtype_reads_this_cpu(monkeypatch):
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     has_bf16 = bool(machine_facts()["bf16_instructions"])
     assert auto_dtype("cpu")[0] == ("bfloat16" if has_bf16 else "float32")
+
+
+# an aarch64 server's /proc/cpuinfo (Neoverse V1, Graviton 3): no `model name`, no `flags`; hwcaps in `Features`
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics sve svebf16 i8mm bf16 dgh rng
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x1
+CPU part\t: 0xd40
+CPU revision\t: 1
+
+processor\t: 1
+Features\t: fp asimd
+"""
+
+
+def test_cpu_facts_read_an_arm_cpu(monkeypatch):
+    """An aarch64 /proc/cpuinfo: bf16 read from `Features`, the core named by its codes; `auto` keeps float32
+    there and says why and how to try bf16."""
+    from dflash_train.machine import auto_dtype
+
+    monkeypatch.delenv("DFLASH_AUTO_DTYPE", raising=False)
+
+    facts = cpu_facts(ARM_CPUINFO)
+    assert facts == {"cpu": "CPU implementer 0x41 CPU part 0xd40", "bf16_instructions": ["bf16"]}
+    assert describe({**facts, "cores": 64}).endswith("64 cores, bf16 instructions: bf16")
+    assert cpu_facts(ARM_CPUINFO.replace(" bf16 dgh", " dgh"))["bf16_instructions"] == []  # svebf16 is not bf16
+    dtype, why = auto_dtype("cpu", facts["bf16_instructions"], isa_cap="")
+    assert dtype == "float32" and "Arm CPU has bf16" in why and "DFLASH_AUTO_DTYPE=bfloat16" in why
+    assert auto_dtype("cpu", ["FEAT_BF16"], isa_cap="")[0] == "float32"  # Apple M2 and later
+    assert auto_dtype("cpu", ["avx512_bf16", "bf16"], isa_cap="")[0] == "bfloat16"
+
+
+def test_this_cpu_names_an_arm_core_by_lscpu(monkeypatch, tmp_path):
+    """Where /proc/cpuinfo names no model (aarch64), lscpu's `Model name` does; without lscpu the codes stay."""
+    import dflash_train.machine as machine
+
+    def fake_path(name):  # /proc/cpuinfo read from a file of the test's
+        return tmp_path / "cpuinfo" if name == "/proc/cpuinfo" else machine.Path(name)
+
+    (tmp_path / "cpuinfo").write_text(ARM_CPUINFO)
+    monkeypatch.setattr(machine, "Path", fake_path)
+    lscpu = "Architecture:             aarch64\nVendor ID:                ARM\nModel name:               Neoverse-V1\n"
+    calls = []
+    monkeypatch.setattr(machine, "_command_output", lambda *argv: calls.append(argv) or lscpu)
+    machine._this_cpu.cache_clear()
+    try:
+        facts = machine.this_cpu()
+        assert facts == {"cpu": "Neoverse-V1", "bf16_instructions": ["bf16"]} and calls == [("lscpu",)]
+        facts["bf16_instructions"].append("x")  # a copy: the cached facts stay
+        assert machine.cpu_bf16_instructions() == ["bf16"] and len(calls) == 1  # read once a process
+        machine._this_cpu.cache_clear()
+        monkeypatch.setattr(machine, "_command_output", lambda *argv: "")
+        assert machine.this_cpu()["cpu"] == "CPU implementer 0x41 CPU part 0xd40"
+    finally:
+        machine._this_cpu.cache_clear()
+
+
+def test_command_output_of_a_missing_tool_is_empty():
+    from dflash_train.machine import _command_output
+
+    assert _command_output("dflash-no-such-tool-here") == ""
+    assert "Model name" in _command_output("lscpu") or not __import__("shutil").which("lscpu")

@@ -1,9 +1,8 @@
 """The training recipe: a typed schema, YAML loading, dotted overrides and provenance.
 
-Precedence: `--set a.b=c` overrides (values parsed as YAML) > the recipe file > defaults.
-Unknown or mistyped fields are errors naming the dotted path. The resolved config is written
-to the run folder with, on every line, the layer that set the field.
-"""
+Precedence: `--set a.b=c` overrides (values parsed as YAML) > the recipe file > defaults. Unknown or mistyped
+fields, and a key given twice, are errors naming the dotted path or the lines. The resolved config is written to the
+run folder with, on every line, the layer that set the field."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dflash_train.errors import ConfigError
 from dflash_train.model.config import MAX_BLOCK_SIZE
+from dflash_train.train.recipe_yaml import load_yaml
 
 
 class _Section(BaseModel):
@@ -348,7 +348,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {item!r}: expected key=value with a dotted key, e.g. --set optim.lr=1e-4")
     key, raw = item.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else None
+        value = load_yaml(raw) if raw != "" else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {item!r}: value is not valid YAML ({exc})") from exc
     if isinstance(value, str) and _looks_numeric(value):
@@ -418,7 +418,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
         path = Path(path)
         where = str(path)
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = load_yaml(path.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
             raise ConfigError(f"--config {path}: file not found") from exc
         except IsADirectoryError:

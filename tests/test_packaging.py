@@ -2,6 +2,7 @@
 
 import functools
 import glob
+import os
 import re
 import shutil
 import subprocess
@@ -112,3 +113,19 @@ def test_make_stops_on_a_python_older_than_the_project_needs(tmp_path, target):
     assert out.returncode != 0
     assert f"make {target}: {old} is Python {version}; dflash-toolkit needs 3.10 or newer" in out.stderr, out.stderr
     assert not (tmp_path / "venv").exists() and not (tmp_path / "vllm").exists()
+
+
+@pytest.mark.parametrize("target", ["install", "vllm-venv"])
+def test_torch_is_installed_first_from_the_cpu_index(tmp_path, target):
+    """PyPI's Linux torch wheels are CUDA builds (several GB of nvidia-* libraries on a CPU machine): each venv's first
+    pip command installs torch with PyTorch's CPU index beside pip's own sources, and TORCH_INDEX= drops it (the
+    commands `make -n` prints: what a machine with that index's network would run)."""
+    env = {**os.environ, "VENV": str(tmp_path / "v"), "VLLM_VENV": str(tmp_path / "vv")}
+    lines = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, env=env, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    installs = [line for line in lines if " -m pip install " in line and "--upgrade pip" not in line]
+    assert re.search(r"pip install -q torch==\S+ --extra-index-url https://download\.pytorch\.org/whl/cpu$", installs[0])
+    assert not any("extra-index-url" in line for line in installs[1:])  # the rest come from pip's own sources
+    bare = subprocess.run(["make", "-n", "-B", target, "TORCH_INDEX="], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=True).stdout
+    assert "extra-index-url" not in bare and re.search(r"pip install -q torch==\S+ *$", bare, re.M)

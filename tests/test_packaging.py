@@ -100,32 +100,32 @@ def test_the_makefiles_python_floor_is_pyprojects():
 
 
 @pytest.mark.skipif(shutil.which("make") is None or _older_python() is None, reason="no make or no Python below 3.10")
-@pytest.mark.parametrize("target", ["install", "vllm-venv"])
-def test_make_stops_on_a_python_older_than_the_project_needs(tmp_path, target):
-    """macOS's own python3 is 3.9: `make install` names it and the floor before making a venv, instead of failing
-    in pip with "no matching distribution found for torch"."""
-    old = _older_python()
-    venvs = [f"VENV={tmp_path / 'venv'}", f"VLLM_VENV={tmp_path / 'vllm'}"]
-    out = subprocess.run(["make", "--no-print-directory", target, f"PYTHON={old}", *venvs], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    version = subprocess.run([old, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
-                             text=True, timeout=60).stdout.strip()
-    assert out.returncode != 0
-    assert f"make {target}: {old} is Python {version}; dflash-toolkit needs 3.10 or newer" in out.stderr, out.stderr
-    assert not (tmp_path / "venv").exists() and not (tmp_path / "vllm").exists()
+def _make_dry_run(target: str, env: dict, *settings: str) -> list[str]:
+    """The pip commands `make -n -B target` prints (the torch line first), bar pip's own upgrade."""
+    out = subprocess.run(["make", "-n", "-B", target, *settings], cwd=ROOT, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return [line for line in out.splitlines() if " -m pip install " in line and "--upgrade pip" not in line]
 
 
 @pytest.mark.parametrize("target", ["install", "vllm-venv"])
 def test_torch_is_installed_first_from_the_cpu_index(tmp_path, target):
     """PyPI's Linux torch wheels are CUDA builds (several GB of nvidia-* libraries on a CPU machine): each venv's first
-    pip command installs torch with PyTorch's CPU index beside pip's own sources, and TORCH_INDEX= drops it (the
-    commands `make -n` prints: what a machine with that index's network would run)."""
-    env = {**os.environ, "VENV": str(tmp_path / "v"), "VLLM_VENV": str(tmp_path / "vv")}
-    lines = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, env=env, capture_output=True, text=True,
-                           check=True).stdout.splitlines()
-    installs = [line for line in lines if " -m pip install " in line and "--upgrade pip" not in line]
+    pip command installs torch with PyTorch's CPU index beside pip's own sources, unless nvidia-smi lists a GPU
+    (`make demo-gpu`'s machine keeps PyPI's CUDA build); TORCH_INDEX decides where set. The commands `make -n`
+    prints are what a machine with that index's network would run; the GPU is an nvidia-smi of the test's."""
+    bare_path = ":".join(d for d in os.environ["PATH"].split(":") if not (Path(d) / "nvidia-smi").exists())
+    env = {**os.environ, "VENV": str(tmp_path / "v"), "VLLM_VENV": str(tmp_path / "vv"), "PATH": bare_path}
+    installs = _make_dry_run(target, env)
     assert re.search(r"pip install -q torch==\S+ --extra-index-url https://download\.pytorch\.org/whl/cpu$", installs[0])
     assert not any("extra-index-url" in line for line in installs[1:])  # the rest come from pip's own sources
-    bare = subprocess.run(["make", "-n", "-B", target, "TORCH_INDEX="], cwd=ROOT, env=env, capture_output=True,
-                          text=True, check=True).stdout
-    assert "extra-index-url" not in bare and re.search(r"pip install -q torch==\S+ *$", bare, re.M)
+    for settings in (["TORCH_INDEX="], []):
+        if not settings:  # a machine whose nvidia-smi lists a GPU
+            fake = tmp_path / "bin"
+            fake.mkdir()
+            (fake / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+            (fake / "nvidia-smi").chmod(0o755)
+            env["PATH"] = f"{fake}:{bare_path}"
+        installs = _make_dry_run(target, env, *settings)
+        assert re.search(r"pip install -q torch==\S+ *$", installs[0]) and not any("extra-index" in x for x in installs)
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed: no driver' >&2; exit 9\n")
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in _make_dry_run(target, env)[0]

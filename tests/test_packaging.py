@@ -100,6 +100,21 @@ def test_the_makefiles_python_floor_is_pyprojects():
 
 
 @pytest.mark.skipif(shutil.which("make") is None or _older_python() is None, reason="no make or no Python below 3.10")
+@pytest.mark.parametrize("target", ["install", "vllm-venv"])
+def test_make_stops_on_a_python_older_than_the_project_needs(tmp_path, target):
+    """macOS's own python3 is 3.9: `make install` names it and the floor before making a venv, instead of failing
+    in pip with "no matching distribution found for torch"."""
+    old = _older_python()
+    venvs = [f"VENV={tmp_path / 'venv'}", f"VLLM_VENV={tmp_path / 'vllm'}"]
+    out = subprocess.run(["make", "--no-print-directory", target, f"PYTHON={old}", *venvs], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    version = subprocess.run([old, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+    assert out.returncode != 0
+    assert f"make {target}: {old} is Python {version}; dflash-toolkit needs 3.10 or newer" in out.stderr, out.stderr
+    assert not (tmp_path / "venv").exists() and not (tmp_path / "vllm").exists()
+
+
 def _make_dry_run(target: str, env: dict, *settings: str) -> list[str]:
     """The pip commands `make -n -B target` prints (the torch line first), bar pip's own upgrade."""
     out = subprocess.run(["make", "-n", "-B", target, *settings], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -123,8 +123,8 @@ def auto_dtype(device, bf16_instructions: list[str] | None = None, isa_cap: str 
     """(dtype, why) for `auto`: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX),
     float32 on the others, where bf16 matmuls are emulated: on 2 AVX2-only cores the demo's bf16
     regeneration ran 5x slower than float32. Arm CPUs with bf16 (Graviton 3/4, Neoverse V/N2, Apple M2 and
-    later) get float32 too until a run measures their bf16 against it: only x86 cores have been measured. `isa_cap` (default $ONEDNN_MAX_CPU_ISA): a cap below the
-    bf16 instructions makes oneDNN emulate them too. $DFLASH_AUTO_DTYPE (float32, bfloat16) pins the
+    later) get float32 too until a run measures their bf16 against it: only x86 cores have been measured.
+    `isa_cap` (default $ONEDNN_MAX_CPU_ISA): a cap below the bf16 instructions makes oneDNN emulate them too. $DFLASH_AUTO_DTYPE (float32, bfloat16) pins the
     CPU's pick: a fleet of mixed machines, or a test suite whose expected numbers are float32's."""
     if str(device).startswith("cuda"):
         return "bfloat16", "CUDA"

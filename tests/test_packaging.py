@@ -122,25 +122,48 @@ def _make_dry_run(target: str, env: dict, *settings: str) -> list[str]:
     return [line for line in out.splitlines() if " -m pip install " in line and "--upgrade pip" not in line]
 
 
+@pytest.fixture(scope="module")
+def local_index(tmp_path_factory):
+    """A package index that answers: a real HTTP server on this machine (what PyTorch's CPU index is to a newcomer's)."""
+    import http.server
+    import threading
+
+    root = tmp_path_factory.mktemp("index")
+    (root / "torch").mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+
+
 @pytest.mark.parametrize("target", ["install", "vllm-venv"])
-def test_torch_is_installed_first_from_the_cpu_index(tmp_path, target):
+def test_torch_is_installed_first_from_the_cpu_index(tmp_path, target, local_index):
     """PyPI's Linux torch wheels are CUDA builds (several GB of nvidia-* libraries on a CPU machine): each venv's first
-    pip command installs torch with PyTorch's CPU index beside pip's own sources, unless nvidia-smi lists a GPU
-    (`make demo-gpu`'s machine keeps PyPI's CUDA build); TORCH_INDEX decides where set. The commands `make -n`
-    prints are what a machine with that index's network would run; the GPU is an nvidia-smi of the test's."""
+    pip command installs torch with PyTorch's CPU index beside pip's own sources where that index answers and
+    nvidia-smi lists no GPU (`make demo-gpu`'s machine keeps PyPI's CUDA build); an index that does not answer is left
+    out (pip would retry each package on it). The index is a local server (TORCH_CPU_INDEX), the GPU an nvidia-smi of
+    the test's; the commands are the ones `make -n` prints."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on: an index that does not answer
+        sock.bind(("127.0.0.1", 0))
+        silent = f"http://127.0.0.1:{sock.getsockname()[1]}/"
     bare_path = ":".join(d for d in os.environ["PATH"].split(":") if not (Path(d) / "nvidia-smi").exists())
     env = {**os.environ, "VENV": str(tmp_path / "v"), "VLLM_VENV": str(tmp_path / "vv"), "PATH": bare_path}
-    installs = _make_dry_run(target, env)
-    assert re.search(r"pip install -q torch==\S+ --extra-index-url https://download\.pytorch\.org/whl/cpu$", installs[0])
+    installs = _make_dry_run(target, env, f"TORCH_CPU_INDEX={local_index}")
+    assert re.search(rf"pip install -q torch==\S+ --extra-index-url {re.escape(local_index)}$", installs[0]), installs
     assert not any("extra-index-url" in line for line in installs[1:])  # the rest come from pip's own sources
-    for settings in (["TORCH_INDEX="], []):
-        if not settings:  # a machine whose nvidia-smi lists a GPU
-            fake = tmp_path / "bin"
-            fake.mkdir()
-            (fake / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
-            (fake / "nvidia-smi").chmod(0o755)
-            env["PATH"] = f"{fake}:{bare_path}"
-        installs = _make_dry_run(target, env, *settings)
+    assert "--extra-index-url http://x/" in _make_dry_run(target, env, "TORCH_INDEX=http://x/")[0]  # named: taken
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    (fake / "nvidia-smi").chmod(0o755)
+    for settings, path in ((["TORCH_INDEX="], bare_path), ([f"TORCH_CPU_INDEX={silent}"], bare_path),
+                           ([f"TORCH_CPU_INDEX={local_index}"], f"{fake}:{bare_path}")):
+        installs = _make_dry_run(target, {**env, "PATH": path}, *settings)
         assert re.search(r"pip install -q torch==\S+ *$", installs[0]) and not any("extra-index" in x for x in installs)
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed: no driver' >&2; exit 9\n")
-    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in _make_dry_run(target, env)[0]
+    installs = _make_dry_run(target, {**env, "PATH": f"{fake}:{bare_path}"}, f"TORCH_CPU_INDEX={local_index}")
+    assert f"--extra-index-url {local_index}" in installs[0]
+    assert "https://download.pytorch.org/whl/cpu" in (ROOT / "Makefile").read_text()  # the index a newcomer's make asks

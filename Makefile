@@ -8,12 +8,13 @@ PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
 # where the CPU build comes from: PyTorch's CPU index (+cpu wheels for Linux x86_64 and aarch64; on macOS the same
 # wheels as PyPI), searched beside pip's own sources, whose local wheels also count. It is named only where it answers
-# (a HEAD request, 5 s at most: pip would retry every package of an index it cannot reach for ~9 s, an offline mirror's
-# machine included) and where nvidia-smi lists no GPU (`make demo-gpu`'s machine keeps PyPI's build, the CUDA one).
+# (a HEAD request for its torch page, the one pip reads, 5 s at most: pip would retry every package on an index it
+# cannot reach for ~9 s, an offline mirror's machine included) and where nvidia-smi lists no GPU (`make demo-gpu`'s
+# machine keeps PyPI's build, the CUDA one).
 # TORCH_INDEX= / TORCH_INDEX=URL decides instead. Worked out once a make, when an install first needs it
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-answers = $(shell $(PYTHON) -c "import sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1], method='HEAD'), timeout=5)" \
-	'$(1)' >/dev/null 2>&1 && echo '$(1)')
+answers = $(shell $(PYTHON) -c "import sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1].rstrip('/') + '/torch/', \
+	method='HEAD'), timeout=5)" '$(1)' >/dev/null 2>&1 && echo '$(1)')
 ifeq ($(origin TORCH_INDEX),undefined)
 TORCH_INDEX = $(eval TORCH_INDEX := $(if $(shell nvidia-smi -L 2>/dev/null | grep -m1 '^GPU'),,$(call answers,$(TORCH_CPU_INDEX))))$(TORCH_INDEX)
 endif

@@ -28,7 +28,7 @@ BF16_ISA_WORDS = ("BF16", "AMX", "FP16", "AVX10", "ALL", "DEFAULT")
 def cpu_facts(cpuinfo: str) -> dict:
     """Model name and bf16 instructions from the text of /proc/cpuinfo (its first processor). x86 names its model
     and `flags`; aarch64 only its `Features` and the core's `CPU implementer` / `CPU part` codes, which name it here
-    when nothing better does (`machine_facts` asks lscpu, which knows the codes' names)."""
+    when nothing better does (`this_cpu` asks lscpu, which knows the codes' names)."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
@@ -124,8 +124,9 @@ def auto_dtype(device, bf16_instructions: list[str] | None = None, isa_cap: str 
     float32 on the others, where bf16 matmuls are emulated: on 2 AVX2-only cores the demo's bf16
     regeneration ran 5x slower than float32. Arm CPUs with bf16 (Graviton 3/4, Neoverse V/N2, Apple M2 and
     later) get float32 too until a run measures their bf16 against it: only x86 cores have been measured.
-    `isa_cap` (default $ONEDNN_MAX_CPU_ISA): a cap below the bf16 instructions makes oneDNN emulate them too. $DFLASH_AUTO_DTYPE (float32, bfloat16) pins the
-    CPU's pick: a fleet of mixed machines, or a test suite whose expected numbers are float32's."""
+    `isa_cap` (default $ONEDNN_MAX_CPU_ISA): a cap below the bf16 instructions makes oneDNN emulate them too.
+    $DFLASH_AUTO_DTYPE (float32, bfloat16) pins the CPU's pick: a fleet of mixed machines, or a test suite whose
+    expected numbers are float32's."""
     if str(device).startswith("cuda"):
         return "bfloat16", "CUDA"
     pinned = os.environ.get("DFLASH_AUTO_DTYPE")

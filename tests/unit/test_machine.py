@@ -103,8 +103,10 @@ def test_this_cpu_names_an_arm_core_by_lscpu(monkeypatch, tmp_path):
     """Where /proc/cpuinfo names no model (aarch64), lscpu's `Model name` does; without lscpu the codes stay."""
     import dflash_train.machine as machine
 
+    real_path = machine.Path
+
     def fake_path(name):  # /proc/cpuinfo read from a file of the test's
-        return tmp_path / "cpuinfo" if name == "/proc/cpuinfo" else machine.Path(name)
+        return tmp_path / "cpuinfo" if name == "/proc/cpuinfo" else real_path(name)
 
     (tmp_path / "cpuinfo").write_text(ARM_CPUINFO)
     monkeypatch.setattr(machine, "Path", fake_path)

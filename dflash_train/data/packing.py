@@ -118,3 +118,32 @@ def plan_microbatches(lengths: list[int], token_budget: int, seed: int, epoch: i
             bins.append([i])
             room.append(token_budget - n)
     return bins
+
+
+# A padded forward's extra call is worth it when it saves this share of the rows' own tokens in padding.
+# On a GPU an 8B-class target's eager forward costs ~10 ms of launches a call against ~40 us a token, ~250
+# tokens; 1/8 of a 3,072-token micro-batch is 384. Measured on the shipped ShareGPT first exchanges packed
+# first-fit into 3,072 tokens: one padded forward computes 1.97x the rows' tokens, these groups 1.10x in
+# 2.5 calls (8,192 tokens: 3.04x against 1.21x in 3.2).
+EXTRA_CALL_SHARE = 0.125
+
+
+def padded_groups(lengths: list[int], extra_call_tokens: float | None = None) -> list[list[int]]:
+    """The indices of `lengths` split into right-padded batches, longest first, that cost the fewest padded
+    tokens plus `extra_call_tokens` for each batch (default: `EXTRA_CALL_SHARE` of their sum). One padded
+    batch of a micro-batch's documents, whose lengths often differ tenfold, pads each one to the longest;
+    exact over the length-sorted order (a batch of sorted lengths pads to its first)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    call = EXTRA_CALL_SHARE * sum(lengths) if extra_call_tokens is None else float(extra_call_tokens)
+    n = len(order)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for j in range(1, n + 1):  # best[j]: the first j sorted rows, in batches; cut[j]: where its last batch starts
+        for i in range(j):
+            cost = best[i] + (j - i) * lengths[order[i]] + call
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]

@@ -5,7 +5,8 @@
 2. A deterministic held-out split of those rows (`data.holdout_fraction`, seeded by `data.seed`,
    not by the run's `seed`: runs of several seeds are measured on the same rows); the rows a periodic
    check reads are taken round-robin over a mixture's sources, so every source counts.
-3. Documents with context features and greedy tokens: `online` (target forward every time),
+3. Documents with context features and greedy tokens: `online` (target forward every time, a
+   micro-batch's documents in groups of similar lengths, `padded_groups`),
    `memory` (computed once per row, kept in RAM) or `offline` (the data stage's feature cache, which
    `feature_source.py` picks for a recipe).
    The target runs under inference_mode; online features, greedy tokens and top-k stay on the
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_train.data.packing import Document
+from dflash_train.data.packing import Document, padded_groups
 from dflash_train.errors import DataError
 from dflash_train.train.anchors import shared_prefix_length
 from dflash_train.train.recipe import DataConfig
@@ -256,6 +257,7 @@ class DocumentSource:
         self._extract = None
         self._prompt_start: int | None = None
         self.home = torch.device("cpu")  # memory mode's store; `warm` moves it to the GPU when the rows fit there
+        self.extra_call_tokens: float | None = None  # `padded_groups`' price of a forward (inf: one per call)
         if mode in ("online", "memory"):
             from dflash_train.features.extract import TargetFeatures
 
@@ -328,8 +330,17 @@ class DocumentSource:
             doc.target_topk_ids = doc.target_topk_logp = None
         return doc
 
-    @torch.inference_mode()
     def _compute(self, idx: list[int]) -> dict[int, Document]:
+        """The rows' documents from padded target forwards over groups of similar lengths (`padded_groups`):
+        a micro-batch's documents, padded together, would cost the target ~2x their tokens."""
+        lengths = [self.lengths[i] for i in idx]
+        out: dict[int, Document] = {}
+        for group in padded_groups(lengths, self.extra_call_tokens):
+            out.update(self._forward([idx[g] for g in group]))
+        return out
+
+    @torch.inference_mode()
+    def _forward(self, idx: list[int]) -> dict[int, Document]:
         """One padded target forward over the rows (right padding keeps positions exact). Memory mode
         keeps bf16 features (and top-k log-probs) at `self.home` (host RAM, or the GPU `warm` chose);
         online mode leaves everything on the target's device."""

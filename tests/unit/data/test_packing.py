@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_train.data.packing import Document, pack_documents, to_device
+from dflash_train.data.packing import EXTRA_CALL_SHARE, Document, pack_documents, padded_groups, to_device
 
 
 def _docs():
@@ -37,3 +37,45 @@ def test_host_tensors_reach_the_gpu_through_pinned_memory():
     assert moved.is_cuda and torch.equal(moved.cpu(), p.features)
     unpinned = torch.randn(4, 4)
     assert torch.equal(to_device(unpinned, "cuda").cpu(), unpinned)
+
+
+def _cost(lengths, groups, call):
+    return sum(len(g) * max(lengths[i] for i in g) + call for g in groups)
+
+
+def _partitions(order):
+    """Every split of `order` into consecutive runs."""
+    if not order:
+        yield []
+        return
+    for k in range(1, len(order) + 1):
+        for rest in _partitions(order[k:]):
+            yield [order[:k], *rest]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_padded_groups_cost_no_more_than_any_split_of_the_sorted_rows(seed):
+    """Against every split of the longest-first order (2^(n-1) of them), and against any other grouping
+    tried at random: no grouping of the rows pads less for as many forwards."""
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.choice([rng.randint(8, 40), rng.randint(300, 3000)]) for _ in range(rng.randint(1, 9))]
+    call = EXTRA_CALL_SHARE * sum(lengths)
+    groups = padded_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # each row once
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    best = min(_cost(lengths, p, call) for p in _partitions(order))
+    assert _cost(lengths, groups, call) == pytest.approx(best)
+    for _ in range(200):  # any grouping at all, not only runs of the sorted order
+        labels = [rng.randrange(len(lengths)) for _ in lengths]
+        other = [[i for i, lab in enumerate(labels) if lab == k] for k in set(labels)]
+        assert _cost(lengths, groups, call) <= _cost(lengths, other, call) + 1e-9
+
+
+def test_padded_groups_split_only_where_padding_costs_more_than_a_forward():
+    assert padded_groups([100, 100, 100]) == [[0, 1, 2]]  # nothing to save
+    assert padded_groups([3000, 20, 2900, 30], extra_call_tokens=float("inf")) == [[0, 2, 3, 1]]
+    assert padded_groups([3000, 20, 2900, 30]) == [[0, 2], [3, 1]]  # 4 x 3000 against 2 x 3000 + 2 x 30
+    assert padded_groups([3000, 20, 2900, 30], extra_call_tokens=0) == [[0], [2], [3], [1]]
+    assert padded_groups([]) == []

@@ -30,6 +30,45 @@ def test_warm_computes_every_row_once_and_matches_lazy_features(train_tiny_targe
         assert torch.equal(g.input_ids, r.input_ids)
 
 
+def test_online_documents_of_unlike_lengths_take_grouped_forwards_with_one_forwards_numbers(train_tiny_target):
+    """A micro-batch's documents of lengths 15 to 200, padded together, cost the target 6 x 200 positions; in
+    groups of like lengths about their own 645. Each document's features, greedy tokens and top k are the
+    one padded forward's, up to float rounding (right padding never reaches a real position)."""
+    import datasets
+
+    model, _ = load_target(str(train_tiny_target), dtype=torch.float32, device="cpu")
+    lengths = [200, 20, 190, 15, 60, 160]
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(5, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * n for n in lengths]})
+
+    def source(extra_call_tokens):
+        s = DocumentSource(rows, "online", model, [1, 3, 5], topk=4, target_hidden=64)
+        s.extra_call_tokens = extra_call_tokens
+        calls, forward = [], s._extract
+
+        def counted(batch, **kw):
+            calls.append(tuple(batch.shape))
+            return forward(batch, **kw)
+
+        counted.model = forward.model
+        s._extract = counted
+        return s, calls
+
+    grouped, grouped_calls = source(None)
+    one, one_calls = source(float("inf"))
+    idx = list(range(len(lengths)))
+    got, ref = grouped.get(idx), one.get(idx)
+    assert one_calls == [(6, 200)]
+    assert len(grouped_calls) > 1 and sum(b * t for b, t in grouped_calls) < 1.25 * sum(lengths)
+    assert sorted(t for _, t in grouped_calls) != [200] * len(grouped_calls)
+    for g, r, n in zip(got, ref, lengths, strict=True):
+        assert len(g) == n
+        torch.testing.assert_close(g.features, r.features, rtol=1e-4, atol=1e-5)
+        assert torch.equal(g.greedy_next, r.greedy_next)
+        torch.testing.assert_close(g.target_topk_logp, r.target_topk_logp, rtol=1e-4, atol=1e-5)
+
+
 def test_memory_mode_stays_on_the_gpu_only_when_its_rows_fit_in_a_share_of_free_memory():
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     free = 10 * 2**30
@@ -44,6 +83,7 @@ def test_warm_stores_owned_copies_of_the_estimated_size(train_tiny_target, train
     (a view kept would hold the whole batch, on a GPU too), and the store matches bytes_per_token."""
     model, _ = load_target(str(train_tiny_target), dtype=torch.bfloat16, device="cpu")
     source = DocumentSource(load_rows(train_prepared), "memory", model, [1, 3, 5], target_hidden=64)
+    source.extra_call_tokens = float("inf")  # never split into groups of like lengths
     idx = list(range(6))
     assert source.warm(idx, tokens_per_batch=10_000, progress=False) == torch.device("cpu")  # one padded batch
     docs = source.get(idx)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_train.data.packing import Document, padded_groups
+from dflash_train.data.packing import EXTRA_CALL_SHARE, Document, padded_groups
 from dflash_train.errors import DataError
 from dflash_train.train.anchors import shared_prefix_length
 from dflash_train.train.recipe import DataConfig
@@ -238,6 +238,16 @@ def memory_home(device: torch.device, needed_bytes: int, free_bytes: int | None,
     return device
 
 
+def launch_tokens(device_type: str, layers: int, parameters: int) -> float:
+    """The target tokens one more eager forward's kernel launches are worth (estimates, unmeasured): on a GPU
+    ~0.25 ms of launches a decoder layer whatever the batch, against ~2 x parameters FLOPs a token at ~400
+    TFLOP/s. Qwen3-8B ~220 tokens (splitting a micro-batch pays); SmolLM2-135M ~11,000 (it seldom does). A
+    CPU forward costs its arithmetic: 0."""
+    if device_type != "cuda":
+        return 0.0
+    return layers * 0.25e-3 * 400e12 / (2 * parameters)
+
+
 class DocumentSource:
     """Documents (features + greedy tokens) for prepared rows, with the target's top-k next-token
     log-probs when `topk` is set (the kl loss; over the sorted target ids `topk_vocab` only when given)."""
@@ -258,6 +268,7 @@ class DocumentSource:
         self._prompt_start: int | None = None
         self.home = torch.device("cpu")  # memory mode's store; `warm` moves it to the GPU when the rows fit there
         self.extra_call_tokens: float | None = None  # `padded_groups`' price of a forward (inf: one per call)
+        self._launch_tokens: float | None = None
         if mode in ("online", "memory"):
             from dflash_train.features.extract import TargetFeatures
 
@@ -332,10 +343,20 @@ class DocumentSource:
 
     def _compute(self, idx: list[int]) -> dict[int, Document]:
         """The rows' documents from padded target forwards over groups of similar lengths (`padded_groups`):
-        a micro-batch's documents, padded together, would cost the target ~2x their tokens."""
+        a micro-batch's documents, padded together, would cost the target ~2x their tokens. A forward is priced
+        at `EXTRA_CALL_SHARE` of the rows' tokens, or its launches' worth of tokens where that is more."""
         lengths = [self.lengths[i] for i in idx]
+        price = self.extra_call_tokens
+        if price is None:
+            if self._launch_tokens is None:
+                from dflash_train.features.extract import num_target_layers
+
+                model = self._extract.model
+                self._launch_tokens = launch_tokens(next(model.parameters()).device.type, num_target_layers(model),
+                                                    sum(p.numel() for p in model.parameters()))
+            price = max(EXTRA_CALL_SHARE * sum(lengths), self._launch_tokens)
         out: dict[int, Document] = {}
-        for group in padded_groups(lengths, self.extra_call_tokens):
+        for group in padded_groups(lengths, price):
             out.update(self._forward([idx[g] for g in group]))
         return out
 

@@ -381,3 +381,17 @@ def test_dataset_labels_with_the_prompts_positions_pick_a_cache_that_serves_them
     assert torch.equal(d.features, e.features) and bool((d.greedy_next >= 0).any())
     cache("lean", True)
     assert cache("lean", "prompts").path.name == f"{plain}-greedy"  # every argmax serves them: the first that does
+
+
+def test_a_forward_is_priced_by_its_launches_on_a_gpu_and_by_its_arithmetic_on_a_cpu():
+    """On a GPU an 8B-class target's micro-batch of 3,072 tokens still splits (a forward's launches are worth
+    less than a tenth of it); a 135M target's forward is mostly launches: a micro-batch of 8,192 like this stays whole."""
+    from dflash_train.data.packing import padded_groups
+    from dflash_train.train.documents import launch_tokens
+
+    qwen3_8b, smollm2 = launch_tokens("cuda", 36, 8_190_000_000), launch_tokens("cuda", 30, 134_500_000)
+    assert 100 < qwen3_8b < 3072 / 8 < 8192 < smollm2
+    assert launch_tokens("cpu", 30, 134_500_000) == 0.0
+    lengths = [3000, 2900, 1200, 900, 120, 40]
+    assert len(padded_groups(lengths, max(sum(lengths) / 8, qwen3_8b))) > 1
+    assert len(padded_groups(lengths, max(sum(lengths) / 8, smollm2))) == 1

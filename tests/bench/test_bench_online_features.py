@@ -1,0 +1,29 @@
+"""bench/bench_online_features.py on CPU at a tiny size, on the real SmolLM2 target and ShareGPT rows: the
+same micro-batches go through the target both ways, the groups compute fewer positions in more forwards,
+and their documents are the one padded forward's."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_groups_compute_fewer_positions_with_the_one_padded_forwards_features(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_online_features.py"), "--rows", "60",
+                          "--max-length", "512", "--tokens", "1024", "--microbatches", "2", "--repeats", "1",
+                          "--dtype", "float32", "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert len(r["microbatches"]) == 2 and r["dtype"] == "float32"
+    assert r["tokens"] <= r["positions"]["grouped"] < r["positions"]["one"]
+    assert r["forwards"]["one"] == 2 < r["forwards"]["grouped"]
+    assert r["max_feature_diff"] < 1e-4 and r["greedy_equal"] > 0.99
+    assert f"groups take {r['ratio']:.2f}x one padded forward's time" in out.stdout

@@ -13,10 +13,12 @@ document's features (float rounding only) and how often their greedy tokens agre
 holds the same.
 
     python bench/bench_online_features.py [--rows 400] [--microbatches 4] [--tokens 3072] [--repeats 2]
-                                          [--device cpu|cuda] [--json FILE]
+                                          [--device cpu|cuda] [--shape smollm2|qwen3-8b] [--json FILE]
 
 On a CPU a forward costs its arithmetic, so the ratio follows the positions' ratio; on a GPU with the
 135M target a forward is mostly kernel launches, which is why the GPU price keeps it to one forward there.
+`--shape qwen3-8b` times a target of Qwen3-8B's shape with random weights instead (bf16, ~16 GB: a GPU's
+bench; no 8B weights install offline), on the same token ids: the recipes that train online are 8B-class.
 """
 
 from __future__ import annotations
@@ -88,6 +90,22 @@ def measure(model, rows, microbatches: list[list[int]], layer_ids: list[int], re
             "greedy_equal": sum(m["greedy_equal"] * m["tokens"] for m in out) / sum(m["tokens"] for m in out)}
 
 
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                rope_theta=1_000_000.0, tie_word_embeddings=False)
+
+
+def random_target(shape: str, dtype: torch.dtype, device: torch.device):
+    """A causal LM of a named shape with random weights (timing only: its features mean nothing)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if shape != "qwen3-8b":
+        raise SystemExit(f"--shape {shape}: known shapes are smollm2 (the embedded target) and qwen3-8b")
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_8B), dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=400, help="ShareGPT records prepared (the micro-batches' pool)")
@@ -97,6 +115,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto", help="the target's dtype (auto: data.target_dtype's choice)")
+    ap.add_argument("--shape", default="smollm2", help="smollm2 (the embedded target) or qwen3-8b (random weights)")
     ap.add_argument("--json", help="also write the result as one JSON line to this file")
     args = ap.parse_args()
     from dflash_train.data.packing import plan_microbatches
@@ -113,14 +132,17 @@ def main() -> None:
         rows = load_rows(work / "rows")
         device = torch.device(args.device)
         dtype = getattr(torch, auto_dtype(device)[0] if args.dtype == "auto" else args.dtype)
-        model, _ = load_target(None, dtype=dtype, device=str(device))
+        if args.shape == "smollm2":
+            model, _ = load_target(None, dtype=dtype, device=str(device))
+        else:
+            model = random_target(args.shape, dtype, device)
         lengths = [len(x) for x in rows["input_ids"]]
         plan = plan_microbatches(lengths, args.tokens, seed=0, epoch=0)[: args.microbatches]
         layer_ids = default_target_layer_ids(model.config.num_hidden_layers, 5)
         r = measure(model, rows, plan, layer_ids, args.repeats)
-        r.update(device=str(device), dtype=str(dtype).removeprefix("torch."), tokens_per_microbatch=args.tokens,
+        r.update(shape=args.shape, device=str(device), dtype=str(dtype).removeprefix("torch."), tokens_per_microbatch=args.tokens,
                  threads=torch.get_num_threads(), ratio=r["seconds"]["grouped"] / r["seconds"]["one"])
-        print(f"{len(plan)} micro-batches of <= {args.tokens} tokens ({len(rows)} rows prepared), {device}, "
+        print(f"{args.shape}: {len(plan)} micro-batches of <= {args.tokens} tokens ({len(rows)} rows prepared), {device}, "
               f"{r['dtype']}, {r['threads']} threads, best of {args.repeats}")
         print("| micro-batch | rows | tokens | positions, one / groups | forwards | seconds, one / groups | ratio |")
         print("|---|---|---|---|---|---|---|")

@@ -27,3 +27,17 @@ def test_groups_compute_fewer_positions_with_the_one_padded_forwards_features(tm
     assert r["forwards"]["one"] == 2 < r["forwards"]["grouped"]
     assert r["max_feature_diff"] < 1e-4 and r["greedy_equal"] > 0.99
     assert f"groups take {r['ratio']:.2f}x one padded forward's time" in out.stdout
+
+
+def test_the_qwen3_8b_shape_has_qwen3_8bs_parameters():
+    """The GPU bench's random 8B-class target (built here on the meta device: shapes without memory)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_online_features import random_target
+
+    model = random_target("qwen3-8b", torch.bfloat16, torch.device("meta"))
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(8.19e9, rel=0.01)
+    assert len(model.model.layers) == 36 and model.lm_head.weight.shape == (151936, 4096)
+    with pytest.raises(SystemExit, match="known shapes are smollm2"):
+        random_target("llama-70b", torch.bfloat16, torch.device("meta"))

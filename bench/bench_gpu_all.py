@@ -50,7 +50,10 @@ def default_plan() -> list[dict]:
             {"name": "regen", "argv": [PY, f"{bench}/bench_gpu_data.py", "--variant", "regen", "--variant",
                                        "regen-compiled", "--variant", "regen-eager", "--variant", "regen-generate",
                                        "--json", "{rows}"], "max_s": 300},
-            {"name": "head", "argv": [PY, f"{bench}/bench_head.py"], "max_s": 90}]
+            {"name": "head", "argv": [PY, f"{bench}/bench_head.py"], "max_s": 90},
+            # an 8B-class target's online features (random weights): one padded forward against groups of like lengths
+            {"name": "online", "argv": [PY, f"{bench}/bench_online_features.py", "--device", "cuda", "--shape",
+                                        "qwen3-8b", "--json", "{rows}"], "max_s": 150}]
     from bench_train_gpu import TRAIN_VARIANTS, VARIANTS  # the bench's own registry: a new variant joins the plan
 
     for v in sorted(VARIANTS, key=lambda v: (v not in FIRST_STEP_VARIANTS, FIRST_STEP_VARIANTS.index(v)
@@ -112,7 +115,7 @@ def headline(part: dict) -> str:
 
 
 HEADLINE_KEYS = ("partial", "step_ms", "step_s", "tokens_per_s", "new_tokens_per_s", "tok_s", "first_s", "peak_gib",
-                 "bound_fraction", "error")
+                 "bound_fraction", "time_ratio", "error")
 PYTEST_DOTS = re.compile(r"^([.FEsxX]+)(\s+\[\s*\d+%\])?\s*$")  # a line of pytest -q's progress
 
 

@@ -142,6 +142,8 @@ def main() -> None:
         r = measure(model, rows, plan, layer_ids, args.repeats)
         r.update(shape=args.shape, device=str(device), dtype=str(dtype).removeprefix("torch."), tokens_per_microbatch=args.tokens,
                  threads=torch.get_num_threads(), ratio=r["seconds"]["grouped"] / r["seconds"]["one"])
+        # `make bench-gpu`'s table cell (bench_gpu_all.HEADLINE_KEYS): the rows' tokens/s in groups, the time ratio
+        r.update(variant=f"online {args.shape}", tok_s=r["tokens"] / r["seconds"]["grouped"], time_ratio=r["ratio"])
         print(f"{args.shape}: {len(plan)} micro-batches of <= {args.tokens} tokens ({len(rows)} rows prepared), {device}, "
               f"{r['dtype']}, {r['threads']} threads, best of {args.repeats}")
         print("| micro-batch | rows | tokens | positions, one / groups | forwards | seconds, one / groups | ratio |")

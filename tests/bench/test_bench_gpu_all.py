@@ -48,7 +48,7 @@ def test_the_default_plan_names_every_gpu_part():
     listed = subprocess.run([sys.executable, str(SCRIPT), "--list"], capture_output=True, text=True, timeout=60,
                             check=True).stdout
     names = [line.split()[0] for line in listed.splitlines()]
-    assert names[:2] == ["gpu-tests", "demo-gpu"] and "regen" in names and "head" in names
+    assert names[:2] == ["gpu-tests", "demo-gpu"] and "regen" in names and "head" in names and "online" in names
     variants = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train_gpu.py"), "--list"],
                               capture_output=True, text=True, timeout=60, check=True).stdout
     every = {line.split()[0] for line in variants.splitlines() if line.strip()}

@@ -27,6 +27,12 @@ def test_groups_compute_fewer_positions_with_the_one_padded_forwards_features(tm
     assert r["forwards"]["one"] == 2 < r["forwards"]["grouped"]
     assert r["max_feature_diff"] < 1e-4 and r["greedy_equal"] > 0.99
     assert f"groups take {r['ratio']:.2f}x one padded forward's time" in out.stdout
+    # `make bench-gpu`'s table cell for the row (its `online` part runs the same bench on a GPU)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_gpu_all import _figure, headline
+
+    cell = headline({"status": "ok", "tail": "", "rows": [r]})
+    assert cell.startswith("online smollm2: tok_s ") and f"time_ratio {_figure(r['ratio'])}" in cell, cell
 
 
 def test_the_qwen3_8b_shape_has_qwen3_8bs_parameters():

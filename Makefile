@@ -99,11 +99,12 @@ test-gpu-stack: gpu-stack-venv
 
 # every tier this machine can run (all but `gpu`), on TEST_WORKERS pytest-xdist workers: on 2 cores two workers
 # ran the suite in 20-23 min against 35.7 serially (most of a test's time is one-threaded: imports, subprocess
-# start-up, tokenizing, small decode steps); each worker's torch gets its share of the cores (tests/conftest.py)
+# start-up, tokenizing, small decode steps); each worker's torch gets its share of the cores (tests/conftest.py). The
+# log ends with the 15 slowest tests (setup included: the session's drafter is built inside its first user's)
 TEST_WORKERS ?= 2
 test: install vllm-venv specforge
 	DFLASH_VLLM_PYTHON=$(VLLM_VENV)/bin/python DFLASH_SPECFORGE_PATH=$(SPECFORGE_DIR) $(VENV)/bin/pytest -m "not gpu" -q \
-		-n $(TEST_WORKERS) --dist worksteal
+		-n $(TEST_WORKERS) --dist worksteal --durations=15
 
 # the fast tier alone, for development
 test-fast: install

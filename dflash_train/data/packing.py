@@ -120,11 +120,10 @@ def plan_microbatches(lengths: list[int], token_budget: int, seed: int, epoch: i
     return bins
 
 
-# A padded forward's extra call is worth it when it saves this share of the rows' own tokens in padding.
-# On a GPU an 8B-class target's eager forward costs ~10 ms of launches a call against ~40 us a token, ~250
-# tokens; 1/8 of a 3,072-token micro-batch is 384. Measured on the shipped ShareGPT first exchanges packed
-# first-fit into 3,072 tokens: one padded forward computes 1.97x the rows' tokens, these groups 1.10x in
-# 2.5 calls (8,192 tokens: 3.04x against 1.21x in 3.2).
+# One more padded forward is worth it where it saves this share of the rows' own tokens in padding (a GPU's
+# kernel launches may price it higher: train/documents.launch_tokens). On the shipped ShareGPT first exchanges
+# packed first-fit into 3,072 tokens: one padded forward computes 1.97x the rows' tokens, these groups 1.10x in
+# 2.5 forwards (8,192 tokens: 3.04x against 1.21x in 3.2; docs/results/2026-12-07-round-39-online-groups-heads.md).
 EXTRA_CALL_SHARE = 0.125
 
 

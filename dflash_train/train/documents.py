@@ -238,13 +238,16 @@ def memory_home(device: torch.device, needed_bytes: int, free_bytes: int | None,
     return device
 
 
-def launch_tokens(device_type: str, layers: int, parameters: int) -> float:
+def launch_tokens(device_type: str, layers: int, parameters: int, experts: int = 1) -> float:
     """The target tokens one more eager forward's kernel launches are worth (estimates, unmeasured): on a GPU
     ~0.25 ms of launches a decoder layer whatever the batch, against ~2 x parameters FLOPs a token at ~400
     TFLOP/s. Qwen3-8B ~220 tokens (splitting a micro-batch pays); SmolLM2-135M ~11,000 (it seldom does). A
-    CPU forward costs its arithmetic: 0."""
+    mixture of `experts` launches kernels for each expert its tokens reach, so on a GPU a forward more may cost
+    about what the whole micro-batch does: never split (inf). A CPU forward costs its arithmetic: 0."""
     if device_type != "cuda":
         return 0.0
+    if experts > 1:
+        return float("inf")
     return layers * 0.25e-3 * 400e12 / (2 * parameters)
 
 
@@ -352,8 +355,10 @@ class DocumentSource:
                 from dflash_train.features.extract import num_target_layers
 
                 model = self._extract.model
+                text = model.config.get_text_config()
+                experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 1
                 self._launch_tokens = launch_tokens(next(model.parameters()).device.type, num_target_layers(model),
-                                                    sum(p.numel() for p in model.parameters()))
+                                                    sum(p.numel() for p in model.parameters()), experts)
             price = max(EXTRA_CALL_SHARE * sum(lengths), self._launch_tokens)
         out: dict[int, Document] = {}
         for group in padded_groups(lengths, price):

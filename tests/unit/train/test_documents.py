@@ -392,6 +392,9 @@ def test_a_forward_is_priced_by_its_launches_on_a_gpu_and_by_its_arithmetic_on_a
     qwen3_8b, smollm2 = launch_tokens("cuda", 36, 8_190_000_000), launch_tokens("cuda", 30, 134_500_000)
     assert 100 < qwen3_8b < 3072 / 8 < 8192 < smollm2
     assert launch_tokens("cpu", 30, 134_500_000) == 0.0
+    # a mixture of experts' forward launches per expert reached: on a GPU it stays one forward, on a CPU it splits
+    assert launch_tokens("cuda", 48, 30_500_000_000, experts=128) == float("inf")
+    assert launch_tokens("cpu", 48, 30_500_000_000, experts=128) == 0.0
     lengths = [3000, 2900, 1200, 900, 120, 40]
     assert len(padded_groups(lengths, max(sum(lengths) / 8, qwen3_8b))) > 1
     assert len(padded_groups(lengths, max(sum(lengths) / 8, smollm2))) == 1

@@ -38,25 +38,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_source(source, idx: list[int]) -> tuple[float, list[tuple[int, int]], list]:
-    """(seconds, the padded [rows, width] of each forward, the documents) of one micro-batch's documents."""
-    shapes, forward = [], source._extract
-
-    def counted(batch, **kw):
-        shapes.append(tuple(batch.shape))
-        return forward(batch, **kw)
-
-    counted.model = forward.model
-    source._extract = counted
-    device = next(forward.model.parameters()).device
-    try:
-        sync(device)
-        start = time.perf_counter()
-        docs = source.get(idx)
-        sync(device)
-        return time.perf_counter() - start, shapes, docs
-    finally:
-        source._extract = forward
+def time_source(source, idx: list[int]) -> tuple[float, dict, list]:
+    """(seconds, {forwards, positions, tokens} of the target's padded forwards, the documents) of one
+    micro-batch's documents."""
+    device = next(source._extract.model.parameters()).device
+    before = dict(source.forwards)
+    sync(device)
+    start = time.perf_counter()
+    docs = source.get(idx)
+    sync(device)
+    return time.perf_counter() - start, {k: v - before.get(k, 0) for k, v in source.forwards.items()}, docs
 
 
 def measure(model, rows, microbatches: list[list[int]], layer_ids: list[int], repeats: int) -> dict:
@@ -68,18 +59,18 @@ def measure(model, rows, microbatches: list[list[int]], layer_ids: list[int], re
     out = []
     for idx in microbatches:
         best = {"one": float("inf"), "grouped": float("inf")}
-        shapes, docs = {}, {}
+        counts, docs = {}, {}
         for _ in range(repeats):
             for name, source in (("one", one), ("grouped", grouped)):
-                s, shapes[name], docs[name] = time_source(source, idx)
+                s, counts[name], docs[name] = time_source(source, idx)
                 best[name] = min(best[name], s)
         diff = max(float((a.features.float() - b.features.float()).norm() / a.features.float().norm())
                    for a, b in zip(docs["one"], docs["grouped"], strict=True))
         greedy = sum(int((a.greedy_next == b.greedy_next).sum()) for a, b in zip(docs["one"], docs["grouped"],
                                                                                    strict=True))
         out.append({"rows": len(idx), "tokens": sum(one.lengths[i] for i in idx),
-                    "positions": {k: sum(b * t for b, t in v) for k, v in shapes.items()},
-                    "forwards": {k: len(v) for k, v in shapes.items()}, "seconds": best,
+                    "positions": {k: v["positions"] for k, v in counts.items()},
+                    "forwards": {k: v["forwards"] for k, v in counts.items()}, "seconds": best,
                     "max_feature_diff": diff, "greedy_equal": greedy / sum(one.lengths[i] for i in idx)})
     return {"microbatches": out,
             "tokens": sum(m["tokens"] for m in out),

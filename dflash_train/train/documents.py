@@ -24,6 +24,7 @@ import hashlib
 import json
 import random
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -272,6 +273,7 @@ class DocumentSource:
         self.home = torch.device("cpu")  # memory mode's store; `warm` moves it to the GPU when the rows fit there
         self.extra_call_tokens: float | None = None  # `padded_groups`' price of a forward (inf: one per call)
         self._launch_tokens: float | None = None
+        self.forwards: Counter = Counter()  # the target's forwards so far: their count, padded positions and tokens
         if mode in ("online", "memory"):
             from dflash_train.features.extract import TargetFeatures
 
@@ -372,6 +374,7 @@ class DocumentSource:
         online mode leaves everything on the target's device."""
         ids = [torch.tensor(self.rows[i]["input_ids"], dtype=torch.long) for i in idx]
         n = max(len(x) for x in ids)
+        self.forwards.update(forwards=1, positions=len(ids) * n, tokens=sum(len(x) for x in ids))
         batch = torch.zeros(len(ids), n, dtype=torch.long)
         attn = torch.zeros(len(ids), n, dtype=torch.long)
         for j, x in enumerate(ids):

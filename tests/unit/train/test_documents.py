@@ -42,26 +42,14 @@ def test_online_documents_of_unlike_lengths_take_grouped_forwards_with_one_forwa
     ids = [torch.randint(5, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * n for n in lengths]})
 
-    def source(extra_call_tokens):
-        s = DocumentSource(rows, "online", model, [1, 3, 5], topk=4, target_hidden=64)
-        s.extra_call_tokens = extra_call_tokens
-        calls, forward = [], s._extract
-
-        def counted(batch, **kw):
-            calls.append(tuple(batch.shape))
-            return forward(batch, **kw)
-
-        counted.model = forward.model
-        s._extract = counted
-        return s, calls
-
-    grouped, grouped_calls = source(None)
-    one, one_calls = source(float("inf"))
+    grouped = DocumentSource(rows, "online", model, [1, 3, 5], topk=4, target_hidden=64)
+    one = DocumentSource(rows, "online", model, [1, 3, 5], topk=4, target_hidden=64)
+    one.extra_call_tokens = float("inf")  # one padded forward, as before
     idx = list(range(len(lengths)))
     got, ref = grouped.get(idx), one.get(idx)
-    assert one_calls == [(6, 200)]
-    assert len(grouped_calls) > 1 and sum(b * t for b, t in grouped_calls) < 1.25 * sum(lengths)
-    assert sorted(t for _, t in grouped_calls) != [200] * len(grouped_calls)
+    assert one.forwards == {"forwards": 1, "positions": 6 * 200, "tokens": sum(lengths)}
+    assert grouped.forwards["forwards"] > 1 and grouped.forwards["tokens"] == sum(lengths)
+    assert grouped.forwards["positions"] < 1.25 * sum(lengths)
     for g, r, n in zip(got, ref, lengths, strict=True):
         assert len(g) == n
         torch.testing.assert_close(g.features, r.features, rtol=1e-4, atol=1e-5)

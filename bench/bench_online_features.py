@@ -68,10 +68,11 @@ def measure(model, rows, microbatches: list[list[int]], layer_ids: list[int], re
                    for a, b in zip(docs["one"], docs["grouped"], strict=True))
         greedy = sum(int((a.greedy_next == b.greedy_next).sum()) for a, b in zip(docs["one"], docs["grouped"],
                                                                                    strict=True))
-        out.append({"rows": len(idx), "tokens": sum(one.lengths[i] for i in idx),
+        tokens = counts["one"]["tokens"]
+        out.append({"rows": len(idx), "tokens": tokens,
                     "positions": {k: v["positions"] for k, v in counts.items()},
                     "forwards": {k: v["forwards"] for k, v in counts.items()}, "seconds": best,
-                    "max_feature_diff": diff, "greedy_equal": greedy / sum(one.lengths[i] for i in idx)})
+                    "max_feature_diff": diff, "greedy_equal": greedy / tokens})
     return {"microbatches": out,
             "tokens": sum(m["tokens"] for m in out),
             "positions": {k: sum(m["positions"][k] for m in out) for k in ("one", "grouped")},

@@ -272,12 +272,16 @@ class DocumentSource:
         self._prompt_start: int | None = None
         self.home = torch.device("cpu")  # memory mode's store; `warm` moves it to the GPU when the rows fit there
         self.extra_call_tokens: float | None = None  # `padded_groups`' price of a forward (inf: one per call)
-        self._launch_tokens: float | None = None
+        self._launch_tokens = 0.0  # what one more forward's launches cost, in the target's tokens
         self.forwards: Counter = Counter()  # the target's forwards so far: their count, padded positions and tokens
         if mode in ("online", "memory"):
             from dflash_train.features.extract import TargetFeatures
 
             self._extract = TargetFeatures(target_model, self.layer_ids)
+            text = target_model.config.get_text_config()
+            experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 1
+            self._launch_tokens = launch_tokens(next(target_model.parameters()).device.type, self._extract.num_layers,
+                                                sum(p.numel() for p in target_model.parameters()), experts)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -353,14 +357,6 @@ class DocumentSource:
         lengths = [self.lengths[i] for i in idx]
         price = self.extra_call_tokens
         if price is None:
-            if self._launch_tokens is None:
-                from dflash_train.features.extract import num_target_layers
-
-                model = self._extract.model
-                text = model.config.get_text_config()
-                experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 1
-                self._launch_tokens = launch_tokens(next(model.parameters()).device.type, num_target_layers(model),
-                                                    sum(p.numel() for p in model.parameters()), experts)
             price = max(EXTRA_CALL_SHARE * sum(lengths), self._launch_tokens)
         out: dict[int, Document] = {}
         for group in padded_groups(lengths, price):

@@ -388,6 +388,9 @@ def demo(output: Path = typer.Option(Path("runs/demo"), "--output", help="Demo f
     table.add_row("stage seconds", " ".join(f"{k}={v}" for k, v in s["stage_seconds"].items()))
     if s.get("train_stage_seconds"):
         table.add_row("train stage seconds", " ".join(f"{k}={v}" for k, v in s["train_stage_seconds"].items()))
+    if s.get("stage_peak_gib"):
+        table.add_row("RAM at the peak, GiB", f"{s['peak_gib']} (every stage, the lanes' at once); "
+                      + " ".join(f"{k}={v}" for k, v in s["stage_peak_gib"].items()))
     table.add_row("machine", describe(s["machine"]))
     dtypes = s.get("dtypes") or {}
     if dtypes:  # one line per distinct reason: "bfloat16 / bfloat16 / bf16-mixed (auto: this CPU has ...)"

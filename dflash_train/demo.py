@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import threading
 import time
 from pathlib import Path
 
+from dflash_train.peak_memory import TreePeak, gib
 from dflash_train.stages import Stage, allow_stages, command_path, run_stage, stop_stages
 from dflash_train.train.run_folder import trained_otherwise
 
@@ -113,11 +115,11 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     ensure_folder(plan_output(out, "--output", sources=[recipe], own=own, overwrite=None), "demo")
     stages = demo_stages(out, recipe, overrides or [], max_prompts, max_new_tokens, replay_device())
     earlier = out / "demo_summary.json"
-    took = (json.loads(earlier.read_text()).get("stage_seconds") or {}) if earlier.is_file() else {}
+    before = json.loads(earlier.read_text()) if earlier.is_file() else {}
     t0 = time.time()
     side = lanes(replay_device())
     beside_the_eval(stages, side)
-    with open(out / "demo.log", "a") as log:
+    with open(out / "demo.log", "a") as log, TreePeak(os.getpid()) as peak:
         run_lanes(stages, log, side, journal=out / "stages.jsonl")
     from dflash_train.eval.teacher_forced import headline as teacher_forced_headline
     from dflash_train.machine import machine_facts
@@ -148,7 +150,12 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
                   "eval_json": str(out / "eval.json"), "eval_plot": str(out / "eval.png"),
                   "replay_json": str(out / "replay.json"),
                   "curves": str(out / "run" / "curves.png"), "run": str(out / "run")},
-        "stage_seconds": stage_seconds(stages, took),
+        "stage_seconds": stage_seconds(stages, before.get("stage_seconds") or {}),
+        # RAM at each stage's peak (its processes' resident sets summed), and this run's over every stage at once
+        # (the lanes' stages overlap): what a machine needs free for it
+        "stage_peak_gib": stage_peak_gib(stages, before.get("stage_peak_gib") or {}),
+        "peak_gib": gib(peak.bytes),
+        "train_memory_high_water_gib": train_summary.get("memory_high_water_gib"),
         "wall_seconds": round(time.time() - t0, 1),
         "machine": machine_facts(),
     }
@@ -160,6 +167,11 @@ def stage_seconds(stages: list[Stage], earlier: dict) -> dict:
     """Each stage's seconds; one skipped as cached keeps the time it took when it ran (`earlier`: the earlier
     summary's), so a rerun over a finished demo does not erase what it cost."""
     return {s.name: earlier.get(s.name) if s.status == "cached" else round(s.seconds, 1) for s in stages}
+
+
+def stage_peak_gib(stages: list[Stage], earlier: dict) -> dict:
+    """Each stage's peak RAM in GiB, a cached stage's from when it ran (as `stage_seconds`)."""
+    return {s.name: earlier.get(s.name) if s.status == "cached" else gib(s.peak_bytes) for s in stages}
 
 
 def run_lanes(stages: list[Stage], log, side: list[tuple[str, ...]] | None = None, journal: Path | None = None) -> None:

@@ -94,17 +94,27 @@ def machine_facts() -> dict:
     import torch
 
     facts = this_cpu()
-    facts.update(cores=usable_cores(), torch_threads=torch.get_num_threads(), torch=torch.__version__)
+    facts.update(cores=usable_cores(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
+                 ram_gib=ram_gib())
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name()
     return facts
 
 
+def ram_gib() -> float:
+    """This machine's RAM in GiB."""
+    import psutil
+
+    return round(psutil.virtual_memory().total / 1024**3, 1)
+
+
 def describe(facts: dict) -> str:
-    """One line for a table: 'Intel(R) Xeon(R) Processor, 2 cores, bf16 instructions: avx512_bf16'."""
+    """One line for a table: 'Intel(R) Xeon(R) Processor, 2 cores, 16.0 GiB RAM, bf16 instructions: avx512_bf16'
+    (the RAM where the facts have it: summaries written before it was recorded do not)."""
     bf16 = ", ".join(facts.get("bf16_instructions") or []) or "none"
     gpu = f", {facts['gpu']}" if facts.get("gpu") else ""
-    return f"{facts.get('cpu')}, {facts.get('cores')} cores, bf16 instructions: {bf16}{gpu}"
+    ram = f", {facts['ram_gib']} GiB RAM" if facts.get("ram_gib") else ""
+    return f"{facts.get('cpu')}, {facts.get('cores')} cores{ram}, bf16 instructions: {bf16}{gpu}"
 
 
 def cpu_bf16_instructions() -> list[str]:

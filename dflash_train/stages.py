@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_train.errors import DFlashError, Stopped, signals_held
+from dflash_train.peak_memory import TreePeak, gib
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Stage:
     replaces: Path | None = None
     threads: int | None = None  # CPU threads its torch may use (OMP_NUM_THREADS); None: the default, every core
     seconds: float = 0.0
+    peak_bytes: int = 0  # its processes' anonymous resident memory at their peak, summed (peak_memory.TreePeak)
     status: str = "pending"
     output: list[str] = field(default_factory=list)
 
@@ -179,10 +181,12 @@ def _run_stage(stage: Stage, log, prefix: str, t0: float) -> None:
         if missed is not None:
             _stop_one(proc, missed, GRACE_S)
             raise Stopped(missed)
-        for line in proc.stdout:
-            stage.output.append(line.rstrip("\n"))
-            log.write(line)
-        code = proc.wait()
+        with TreePeak(proc.pid) as peak:
+            for line in proc.stdout:
+                stage.output.append(line.rstrip("\n"))
+                log.write(line)
+            code = proc.wait()
+        stage.peak_bytes = peak.bytes
     except BaseException as exc:  # stopped (errors.Stopped carries the signal) or broken: the stages stop too
         if proc is None:  # it never started (no such command): nothing to stop or to say
             raise
@@ -204,4 +208,5 @@ def _run_stage(stage: Stage, log, prefix: str, t0: float) -> None:
         tail = "\n".join(stage.output[-15:])
         raise DFlashError(f"{prefix.strip('[]')} stage `{stage.name}` failed (exit {code}); its output:\n{tail}")
     stage.status = "ok"
-    print(f"{prefix} {stage.name:9s} ok in {stage.seconds:.0f}s", flush=True)
+    print(f"{prefix} {stage.name:9s} ok in {stage.seconds:.0f}s, {gib(stage.peak_bytes)} GiB of RAM at its peak",
+          flush=True)

@@ -399,6 +399,7 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             # the dtypes that ran and the layer that set each (`auto: this CPU has avx512_bf16`)
             "dtypes": dtype_fields(resolved),
             "wall_time_s": round(time.time() - t_start, 2), "stage_seconds": lap.final(),
+            "memory_high_water_gib": lap.memory,  # RAM: the process's resident peak as each lap closed
             # where and when the seconds above were measured (a sweep that reuses this run says so beside them)
             "machine": machine_facts(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "final": str(final), "eval": None, "profile": profile.summary,  # logging.profile_steps

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dflash_train.model.weights import write_json
 from dflash_train.outputs import png_software
+from dflash_train.peak_memory import high_water
 
 
 class GradNormWindow:
@@ -175,16 +176,20 @@ class Laps:
     the last lap to `name`; `with lap.aside(name):` counts a block under `name` instead of the lap it sits in
     (the checks and checkpoints inside the steps; on a GPU such a block's first device read also waits for the
     steps still queued, ~a step's time); `final()` closes the last lap. `clock`: seconds that never go back (a
-    wall clock set back mid-run would make a lap negative)."""
+    wall clock set back mid-run would make a lap negative). `memory`: the process's resident high-water mark, and
+    its finished children's, as each lap closed (summary.json `memory_high_water_gib`): the lap where it grew is
+    the one that raised the run's peak."""
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
         self.seconds, self.asides, self.last = {}, {}, clock()
+        self.memory: dict[str, dict] = {}
 
     def __call__(self, name: str) -> None:
         now = self.clock()
         self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self.last, 2)
         self.last = now
+        self.memory[name] = high_water()
 
     @contextmanager
     def aside(self, name: str):
@@ -197,4 +202,5 @@ class Laps:
             self.last += took
 
     def final(self) -> dict:
+        self.memory["final"] = high_water()
         return {**self.seconds, **self.asides, "final": round(self.clock() - self.last, 2)}

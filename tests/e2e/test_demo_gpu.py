@@ -50,6 +50,16 @@ def test_demo_gpu_command_runs_every_stage_on_cpu(tmp_path):
                           "checkpoints", "final"]  # the steps' lap without the checks and checkpoints inside it
     assert all(v >= 0 for v in laps.values()) and sum(laps.values()) <= summary["stage_seconds"]["train"]
     assert summary["dtypes"]["engine.precision"]["set_by"].startswith("auto: ")  # the recipe leaves it to the machine
+    # RAM: each stage's processes at their peak (the train stage loads the target: at least its ~0.5 GiB of fp32
+    # weights), the whole demo's at least its largest stage's; the train run's mark grows lap by lap
+    peaks = summary["stage_peak_gib"]
+    assert set(peaks) == set(summary["stage_seconds"]) and all(0.05 < v < 16 for v in peaks.values()), peaks
+    assert peaks["train"] >= 0.5 and summary["peak_gib"] >= max(peaks.values()), summary["peak_gib"]
+    marks = [v["process"] for v in summary["train_memory_high_water_gib"].values()]
+    assert list(summary["train_memory_high_water_gib"]) == [k for k in laps if k not in ("checks", "checkpoints")]
+    assert marks == sorted(marks) and 0.5 <= marks[-1] <= 1.5 * peaks["train"], (marks, peaks)  # the two measures agree
+    assert summary["machine"]["ram_gib"] > 1
+    assert re.search(r"RAM at the peak, GiB\s*│?\s*[0-9.]+ \(every stage", done.stdout), done.stdout[-3000:]
     assert (tmp_path / "demo-gpu" / "drafter-zlab" / "config.json").is_file()
     assert re.search(r"train stage seconds\s*│?\s*start=", done.stdout), done.stdout[-3000:]
     sys.path.insert(0, str(ROOT / "bench"))

@@ -54,3 +54,21 @@ def test_the_default_clock_counts_real_seconds():
     time.sleep(0.05)
     lap("setup")
     assert 0.04 <= lap.final()["setup"] < 5  # a lower bound that holds on any machine, however busy
+
+
+def test_each_lap_records_the_memory_high_water_mark_as_it_closes():
+    import psutil
+
+    lap = Laps()
+    lap("load")
+    resident = psutil.Process().memory_info().rss / 1024**3
+    block = bytearray(300 * 1024**2)
+    block[::4096] = b"x" * len(block[::4096])  # every page resident
+    lap("features")
+    lap.final()
+    assert list(lap.memory) == ["load", "features", "final"]
+    marks = {k: v["process"] for k, v in lap.memory.items()}
+    # the block took this process past resident + 0.29 GiB: the mark is there now, whatever it was before
+    assert marks["features"] >= max(marks["load"], resident + 0.28), (resident, marks)
+    assert marks["final"] == marks["features"] and lap.memory["final"]["children"] >= 0
+    del block

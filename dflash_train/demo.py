@@ -151,8 +151,8 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
                   "replay_json": str(out / "replay.json"),
                   "curves": str(out / "run" / "curves.png"), "run": str(out / "run")},
         "stage_seconds": stage_seconds(stages, before.get("stage_seconds") or {}),
-        # RAM at each stage's peak (its processes' resident sets summed), and this run's over every stage at once
-        # (the lanes' stages overlap): what a machine needs free for it
+        # RAM at each stage's peak (its processes' anonymous resident memory summed: peak_memory.TreePeak), and this
+        # run's over every stage at once (the lanes' stages overlap): what a machine needs free for it
         "stage_peak_gib": stage_peak_gib(stages, before.get("stage_peak_gib") or {}),
         "peak_gib": gib(peak.bytes),
         "train_memory_high_water_gib": train_summary.get("memory_high_water_gib"),

@@ -140,6 +140,16 @@ def test_a_cached_stage_keeps_the_seconds_it_took_when_it_ran():
         {"eval": 12.3, "train": 2495.1, "serve": None}
 
 
+def test_a_cached_stage_keeps_the_ram_it_took_when_it_ran():
+    from dflash_train.demo import stage_peak_gib
+    from dflash_train.stages import Stage
+
+    ran = Stage("eval", [], status="ok", peak_bytes=int(1.8 * 1024**3))
+    cached = Stage("train", [], status="cached", peak_bytes=10 * 1024**2)  # what the skip cost, not the stage
+    assert stage_peak_gib([ran, cached, Stage("serve", [], status="cached")], {"train": 5.11, "eval": 9.0}) == \
+        {"eval": 1.8, "train": 5.11, "serve": None}
+
+
 def test_the_stages_beside_the_eval_get_one_thread_and_the_eval_the_other_cores(tmp_path):
     import io
 

@@ -129,6 +129,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
     replayed = json.loads((out / "replay.json").read_text())
     validate = json.loads("\n".join(next(s for s in stages if s.name == "validate").output))
     serve_cmd = next(s for s in stages if s.name == "serve").output
+    peaks = stage_peak_gib(stages, before.get("stage_peak_gib") or {})
     summary = {
         "tau": report["tau"], "per_position": report["per_position"], "histogram": report["histogram"],
         "speedup": report["speedup"], "lossless": report["lossless"], "prompts": len(report["prompts"]),
@@ -153,7 +154,7 @@ def run_demo(out: str | Path = "runs/demo", recipe: str | Path | None = None, ov
         "stage_seconds": stage_seconds(stages, before.get("stage_seconds") or {}),
         # RAM at each stage's peak (its processes' anonymous resident memory summed: peak_memory.TreePeak), and this
         # run's over every stage at once (the lanes' stages overlap): what a machine needs free for it
-        "stage_peak_gib": (peaks := stage_peak_gib(stages, before.get("stage_peak_gib") or {})),
+        "stage_peak_gib": peaks,
         # a stage skipped as cached took its RAM in an earlier run: its peak still bounds this demo's
         "peak_gib": max([gib(peak.bytes), *(v for v in peaks.values() if v is not None)]),
         "train_memory_high_water_gib": train_summary.get("memory_high_water_gib"),

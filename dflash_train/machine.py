@@ -105,7 +105,9 @@ def ram_gib() -> float:
     """This machine's RAM in GiB."""
     import psutil
 
-    return round(psutil.virtual_memory().total / 1024**3, 1)
+    from dflash_train.peak_memory import GIB
+
+    return round(psutil.virtual_memory().total / GIB, 1)
 
 
 def describe(facts: dict) -> str:

@@ -1,6 +1,7 @@
 """What the training step takes from the device it runs on: the attention kernel, the LM-head chunk
 and its epilogue, the draft layers' fused ops (both compiled on a CUDA GPU) for that device, and the
-errors for a micro-batch or a drafter that does not fit in its memory.
+errors for a micro-batch or a drafter that does not fit in its memory, and the memory a released model
+gives back.
 
 `objective.attention: auto` is compiled flex attention on a CUDA GPU and the exact split
 attention on CPU. Flex attention is only ever run compiled (model/flex.py); torch has no
@@ -9,6 +10,7 @@ flex-attention backward on CPU, so `flex` without CUDA is refused before anythin
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 from contextlib import contextmanager
@@ -140,6 +142,14 @@ def check_drafter_fits(recipe: TrainRecipe, parameters: int, device: torch.devic
                       f"least {needed / 2**30:.1f} GiB (weights, gradients and AdamW state{per_rank}); "
                       f"{torch.device(device)} holds {memory / 2**30:.1f} GiB. Lower drafter.num_layers or "
                       f"drafter.intermediate_size{shard}")
+
+
+def return_freed_memory(device: torch.device | str) -> None:
+    """Collect what was just dropped (a model's modules hold reference cycles) and, on CUDA, give the caching
+    allocator's free blocks back to the device, so its free memory reads what is left."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @contextmanager

@@ -307,6 +307,14 @@ class DocumentSource:
             self._memory.update(computed)
         return [self._memory.get(i) or computed[i] for i in idx]
 
+    def release_target(self) -> None:
+        """Drop this source's hold on the target: offline mode reads the cache, and memory mode, once `warm` has
+        stored every row the run reads, computes nothing more. The caller drops its own reference too, and the
+        target's layers are freed (an 8B target's ~15 GB on its GPU) for the steps."""
+        if self.mode == "online":
+            raise RuntimeError("data.features: online runs the target every step: it cannot be released")
+        self._extract = None
+
     def bytes_per_token(self) -> int:
         """Memory mode's store per token: bf16 features, int64 greedy tokens, int32 + bf16 top-k."""
         width = self.expected_dim or len(self.layer_ids) * self._extract.model.config.get_text_config().hidden_size
@@ -354,6 +362,9 @@ class DocumentSource:
         """The rows' documents from padded target forwards over groups of similar lengths (`padded_groups`):
         a micro-batch's documents, padded together, would cost the target ~2x their tokens. A forward is priced
         at `EXTRA_CALL_SHARE` of the rows' tokens, or its launches' worth of tokens where that is more."""
+        if self._extract is None:
+            raise RuntimeError(f"rows {idx[:8]} were not computed before the target was released: pass every row "
+                               "the run reads to `warm` first")
         lengths = [self.lengths[i] for i in idx]
         price = self.extra_call_tokens
         if price is None:

@@ -29,8 +29,8 @@ def recipe_source(recipe: TrainRecipe, target_path: str, rows: TrainingRows, tar
         if topk and o.kl_teacher == "draft_vocab" and drafter.config.reduced_vocab else None
     layers = drafter.config.target_layer_ids
     greedy = o.labels == "greedy" or ("prompts" if o.positions == "all" else False)  # the prompts' argmax alone
-    cache = offline_cache(data, target_path, rows.path, layers, topk, greedy=greedy,
-                          topk_vocab=vocab) if data.features == "offline" else None
+    cache = offline_cache(data, target_path, rows.path, layers, topk, greedy=greedy, topk_vocab=vocab,
+                          model=target_model) if data.features == "offline" else None
     return DocumentSource(rows.rows, data.features, target_model, layers, cache, topk=topk,
                           target_hidden=target_model.config.get_text_config().hidden_size, topk_vocab=vocab)
 
@@ -68,15 +68,27 @@ def _with_teacher(path: Path, layer_ids: list[int], compute: str, greedy: bool |
     return None
 
 
+def _reusable(model, compute: str, device: str):
+    """`model` where it computes in `compute` on a `device` (the cache writer's dtype and device type), else None."""
+    from dflash_train.target import dtype_name
+
+    if model is None:
+        return None
+    weight = next(model.parameters())
+    return model if dtype_name(weight.dtype) == compute and weight.device.type == device else None
+
+
 def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids: list[int], topk: int | None = None,
-                  greedy: bool | str = True, topk_vocab: torch.Tensor | None = None):
+                  greedy: bool | str = True, topk_vocab: torch.Tensor | None = None, model=None):
     """The data stage's FeatureCache for these rows and layer ids (written once if missing); with `topk` (the kl
     loss) its shards must hold at least k top-k log-probs per token, over the sorted target ids `topk_vocab` when
     given (a folder of its own per vocabulary). `greedy=False` (dataset labels): a cache with the greedy tokens is
     used when one is complete, else one is written without them (no LM head) into a folder of its own. A
     draft-vocabulary teacher's cache is named for the first labelling that wrote it; the others get `<name>-greedy`
     (greedy labels) or `<name>-prompts` (`greedy="prompts"`: dataset labels with the prompts' positions, the
-    target's argmax there only), unless a complete one already holds what they need."""
+    target's argmax there only), unless a complete one already holds what they need. `model`: the target the
+    caller has loaded already; a cache that must be written is computed with it where it runs in the cache's dtype
+    on this machine's device, instead of a second copy loaded beside it (an 8B target: ~16 GB more)."""
     try:
         from dflash_train.features.cache import FeatureCache, write_feature_cache
     except ImportError as exc:
@@ -115,7 +127,7 @@ def offline_cache(data: DataConfig, target_path: str, prepared: Path, layer_ids:
                     # a teacher over the draft vocabulary runs the whole head only for greedy labels
                     write_feature_cache(target_path, prepared, path, target_layer_ids=layer_ids, topk=topk,
                                         target_dtype=compute, greedy=greedy or (path != lean and not tag),
-                                        topk_vocab=topk_vocab)
+                                        topk_vocab=topk_vocab, model=_reusable(model, compute, device))
     cache = FeatureCache(path, target=target_path, target_layer_ids=layer_ids, topk=topk,
                          target_dtype=compute if data.target_dtype != "auto" else None, greedy=greedy, topk_vocab=tag)
     cache.lengths()  # every shard opened and checked now: a damaged one is refused before the run folder is written

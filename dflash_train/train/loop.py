@@ -33,7 +33,7 @@ from dflash_train.train.anchors import anchor_candidates
 from dflash_train.train.auto_dtypes import dtype_fields, resolve_auto_dtypes
 from dflash_train.train.batches import build_microbatch, head_rows, microbatch_loss
 from dflash_train.train.build_drafter import build_drafter
-from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, step_kernels
+from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, return_freed_memory, step_kernels
 from dflash_train.train.documents import (
     MEMORY_SHARE,
     DocumentSource,
@@ -271,11 +271,16 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
     if home is not None and home.type != world.device.type and world.is_main:
         notify(f"data.features: memory keeps the documents in host RAM: at {source.bytes_per_token()} bytes a token "
                f"they take more than {MEMORY_SHARE:.0%} of the GPU's free memory (each step copies its batch over)")
+    embed, lm_head = target_model.get_input_embeddings().weight, target_model.get_output_embeddings().weight
+    if source.mode != "online":  # the steps read the cache or memory: only the embedding and head stay loaded
+        source.release_target()
+        del target_model
+        return_freed_memory(world.device)
     lap("features")
     drafter.activation_checkpointing = recipe.engine.activation_checkpointing
     drafter.set_dropout(recipe.objective.dropout)
     engine, scheduler = build_engine(drafter, recipe, plan.total)
-    engine.module.attach_target(target_model)
+    engine.module.attach_target_weights(embed, lm_head)  # borrowed, frozen
     kernels = step_kernels(recipe, world.device, head_rows(engine.module))
     kernels = replace(kernels, forward=compiled_step.resolve(recipe.objective.training_forward, engine.module, recipe,
                                                              attention=kernels.attention, device=world.device,

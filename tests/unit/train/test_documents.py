@@ -93,6 +93,63 @@ def test_warm_is_a_no_op_outside_memory_mode(train_tiny_target, train_prepared):
     assert source._memory == {}
 
 
+def test_a_released_source_serves_its_warmed_rows_and_lets_the_target_go(train_tiny_target, train_prepared):
+    """After `warm`, memory mode needs no target: released, the model is freed (no hold left in the source), the
+    warmed rows read as before, a row never warmed is refused by name, and an online source cannot release."""
+    import gc
+    import weakref
+
+    model, _ = load_target(str(train_tiny_target), dtype=torch.float32, device="cpu")
+    rows = load_rows(train_prepared)
+    source = DocumentSource(rows, "memory", model, [1, 3, 5], target_hidden=64)
+    source.warm([0, 2, 4], progress=False)
+    before = [d.features.clone() for d in source.get([0, 2, 4])]
+    online = DocumentSource(rows, "online", model, [1, 3, 5], target_hidden=64)
+    with pytest.raises(RuntimeError, match="online runs the target every step"):
+        online.release_target()
+    del online
+    ref = weakref.ref(model)
+    source.release_target()
+    del model
+    gc.collect()
+    assert ref() is None
+    for b, d in zip(before, source.get([0, 2, 4]), strict=True):
+        assert torch.equal(b, d.features)
+    with pytest.raises(RuntimeError, match=r"rows \[1\] were not computed before the target was released"):
+        source.get([1])
+
+
+def test_an_offline_cache_is_written_with_the_loaded_target_of_its_dtype(tmp_path, train_tiny_target, train_prepared,
+                                                                      monkeypatch):
+    """The trainer's target computes its missing cache (no second copy beside it), into the same cache a fresh
+    load writes; a target loaded in another dtype is not used: the writer loads one in the cache's."""
+    import dflash_train.target as target_module
+    from dflash_train.train.feature_source import offline_cache
+    from dflash_train.train.recipe import DataConfig
+
+    loads = []
+    real = target_module.load_target
+
+    def counted(*args, **kw):
+        loads.append(kw.get("dtype"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(target_module, "load_target", counted)
+    model, _ = real(str(train_tiny_target), dtype=torch.float32, device="cpu")
+    fp32 = DataConfig(prepared=str(train_prepared), features="offline", cache_dir=str(tmp_path / "with-model"))
+    reused = offline_cache(fp32, str(train_tiny_target), train_prepared, [1, 3, 5], model=model)
+    assert loads == []
+    fresh = offline_cache(fp32.model_copy(update={"cache_dir": str(tmp_path / "loaded")}), str(train_tiny_target),
+                          train_prepared, [1, 3, 5])
+    assert loads == [torch.float32]
+    for i in (0, 5, len(reused.lengths()) - 1):
+        a, b = reused.document(i), fresh.document(i)
+        assert torch.equal(a.features, b.features) and torch.equal(a.greedy_next, b.greedy_next)
+    bf16 = fp32.model_copy(update={"target_dtype": "bfloat16"})
+    other = offline_cache(bf16, str(train_tiny_target), train_prepared, [1, 3, 5], model=model)
+    assert loads == [torch.float32, torch.bfloat16] and other.manifest["target_dtype"] == "bfloat16"
+
+
 def test_fractions_of_training_rows_are_nested_and_keep_each_source_share():
     from dflash_train.train.documents import fraction_of_rows
 

@@ -584,3 +584,41 @@ logging: {{log_every: 1, eval_every: 100, progress: false}}
     assert len(runs["seed0"]) == 1 and runs["seed1"] == runs["seed0"]  # the same rows, not rewritten
     assert len(runs["sampled"]) == 2 and len(runs["sampled-data1"]) == 3  # a new entry each, none replaced
     assert all(runs["sampled-data1"][k] == v for k, v in runs["sampled"].items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("features", ["offline", "online"])
+def test_the_target_is_freed_before_the_steps_that_do_not_run_it(tmp_path, train_tiny_target, train_prepared,
+                                                                 monkeypatch, features):
+    """Offline features: the target's layers are gone before the first step (an 8B target's ~15 GB of GPU
+    memory back for the steps), its cache written with the target already loaded (one load in all); online
+    features run it every step, so it stays. Either way the drafter borrows its embedding and head."""
+    import gc
+    import weakref
+
+    import dflash_train.target as target_module
+    from dflash_train.train import loop
+    from dflash_train.train.recipe import load_recipe
+
+    loaded, alive = [], []
+    real_load, real_step = target_module.load_target, loop.train_step
+
+    def load(*args, **kw):
+        model, tok = real_load(*args, **kw)
+        loaded.append(weakref.ref(model))
+        return model, tok
+
+    def step(engine, *args, **kw):
+        gc.collect()
+        alive.append([ref() is not None for ref in loaded])
+        assert engine.module._target_lm_head is not None
+        return real_step(engine, *args, **kw)
+
+    monkeypatch.setattr(target_module, "load_target", load)
+    monkeypatch.setattr(loop, "train_step", step)
+    recipe = load_recipe(_recipe(tmp_path, train_tiny_target, train_prepared),
+                         [f"data.features={features}", f"data.cache_dir={tmp_path / 'cache'}", "optim.max_steps=2",
+                          "logging.eval_every=2"])
+    summary = loop.train(recipe, tmp_path / "run")
+    assert summary["steps"] == 2 and torch.isfinite(torch.tensor(summary["train_loss"]))
+    assert alive == [[features == "online"]] * 2

@@ -33,7 +33,14 @@ from dflash_train.train.anchors import anchor_candidates
 from dflash_train.train.auto_dtypes import dtype_fields, resolve_auto_dtypes
 from dflash_train.train.batches import build_microbatch, head_rows, microbatch_loss
 from dflash_train.train.build_drafter import build_drafter
-from dflash_train.train.device import StepKernels, oom_guard, resolve_attention, return_freed_memory, step_kernels
+from dflash_train.train.device import (
+    StepKernels,
+    oom_guard,
+    resolve_attention,
+    return_freed_memory,
+    step_kernels,
+    trim_host_heap,
+)
 from dflash_train.train.documents import (
     MEMORY_SHARE,
     DocumentSource,
@@ -215,6 +222,9 @@ def _by_source(entry: dict) -> dict:
     return {k.removeprefix("accept_len_"): v for k, v in entry.items() if k.startswith("accept_len_")}
 
 
+TRIM_EVERY = 50  # steps between two trims of the C heap on a CPU (train/device.trim_host_heap)
+
+
 def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | None = None, sources=(),
           notify: Callable[[str], None] | None = None) -> dict:
     """Train a drafter as the recipe says; returns the summary written to OUTPUT/summary.json.
@@ -350,6 +360,8 @@ def train(resolved: ResolvedRecipe, output: str | Path, resume: str | bool | Non
             norms.add()
             done = step + 1
             progress.step()
+            if done % TRIM_EVERY == 0 and world.device.type == "cpu":
+                trim_host_heap()  # the step's freed buffers back to the system (a third of the run's growth)
             if done % recipe.logging.log_every == 0 or done == plan.total:
                 flush()
                 summary, lr = window.summary(), scheduler.get_last_lr()[0]

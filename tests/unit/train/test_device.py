@@ -1,5 +1,9 @@
 """The step's device choices: attention and LM-head chunk resolved per device, flex refused without
-CUDA, and an out-of-memory step reported as a ConfigError naming the micro-batch size and the memory."""
+CUDA, an out-of-memory step reported as a ConfigError naming the micro-batch size and the memory, and the C
+heap's freed memory given back by a trim."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +96,34 @@ def test_a_drafter_that_cannot_fit_is_refused_naming_its_size_and_zero_shards_it
     check_drafter_fits(_recipe("engine.zero_stage=1"), 2 * 10**9, "cuda", 8, memory=16 * gib)  # 3.7 GiB a rank
     with pytest.raises(ConfigError, match=r"needs at least 37.3 GiB \(weights, gradients and AdamW state per rank\)"):
         check_drafter_fits(_recipe("engine.zero_stage=2"), 20 * 10**9, "cuda", 8, memory=16 * gib)
+
+
+HEAP_HOLES = """
+import json, sys
+sys.path.insert(0, {root!r})
+from dflash_train.train.device import trim_host_heap
+
+def anon():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:")) / 1024  # MiB
+
+blocks = [bytearray(b"x" * 100_000) for _ in range(3000)]  # ~286 MiB of heap chunks (below the mmap threshold)
+held = blocks[::10]  # one block in ten kept: the freed ones are holes inside the heap, not at its top
+del blocks
+freed = anon()
+trimmed = trim_host_heap()
+print(json.dumps({{"freed": freed, "after": anon(), "trimmed": trimmed, "held": len(held)}}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim: Linux")
+def test_a_trim_gives_the_heaps_freed_holes_back_to_the_system():
+    """~257 MiB freed between live blocks stays resident (glibc keeps its arenas) until the trim returns it."""
+    import json
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[3])
+    out = subprocess.run([sys.executable, "-c", HEAP_HOLES.format(root=root)], capture_output=True, text=True,
+                         timeout=120, check=True)
+    got = json.loads(out.stdout)
+    assert got["trimmed"] is True and got["held"] == 300
+    assert got["freed"] - got["after"] > 200, got  # MiB given back

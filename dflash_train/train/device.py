@@ -174,7 +174,7 @@ def trim_host_heap() -> bool:
     """Give the C heap's free pages back to the system. A CPU step frees its large temporary buffers into arenas
     glibc keeps, and a training process's resident memory grew with them through its run: ~1 GiB over the demo
     recipe's first 600 steps, a third of it given back by a trim every 50 steps at no cost to the step
-    (docs/results/2026-12-07-demo-memory.md). False where there is no such call."""
+    (docs/results/2026-12-07-trainer-heap-trim.md). False where there is no such call."""
     trim = _malloc_trim()
     if trim is None:
         return False

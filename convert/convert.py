@@ -20,7 +20,7 @@ from dflash_train.errors import CheckpointError, ConfigError
 from dflash_train.model import formats
 from dflash_train.model.checks import check_drafter, find_local_target, refusal
 from dflash_train.model.config import DFlashConfig
-from dflash_train.model.locate import find_drafter_folder
+from dflash_train.model.locate import require_drafter_folder
 from dflash_train.model.stream import CODES, DTYPES, OutTensor, TensorRef, folder_refs, write_streaming
 from dflash_train.model.weights import DEFAULT_MAX_SHARD_BYTES, MASK_EMBEDDING_FILE, SGLANG_MASK_NOTE, write_json
 from dflash_train.outputs import folder_output, plan_output
@@ -53,14 +53,7 @@ class ConvertResult:
 # finding and reading the source
 def resolve_source(src: str | Path) -> Path:
     """The checkpoint folder for `src`: itself, or a run folder's final/ or newest complete step."""
-    src = Path(src)
-    if not src.is_dir():
-        raise CheckpointError(f"{src}: no such folder; give a drafter checkpoint or a training run folder")
-    found = find_drafter_folder(src)
-    if found is None:
-        raise CheckpointError(f"{src}: no config.json with weights here, no final/ and no complete "
-                              "checkpoints/step-*/ folder; give a drafter checkpoint or a run folder")
-    return found
+    return require_drafter_folder(src)
 
 
 def _patch_zlab_layer_ids(raw: dict[str, Any], refs: list[TensorRef], layer_ids: list[int] | None, where: str) -> None:

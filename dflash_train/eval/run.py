@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_train.errors import CheckpointError, ConfigError
+from dflash_train.errors import ConfigError
 
 
 class EvalConfig(BaseModel):
@@ -35,17 +35,9 @@ class EvalConfig(BaseModel):
 
 def resolve_drafter_dir(path: str | Path) -> Path:
     """A drafter folder, or a trainer output folder: its `final/`, else its newest `checkpoints/step-*`."""
-    from dflash_train.model.locate import find_drafter_folder
+    from dflash_train.model.locate import require_drafter_folder
 
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"--draft {path}: no such folder")
-    found = find_drafter_folder(path)
-    if found is None:
-        raise CheckpointError(f"--draft {path}: not a drafter folder (no config.json with weights) and no "
-                              "`final/` or `checkpoints/step-*/` drafter inside; pass a speculators or z-lab "
-                              "drafter folder or a trainer output folder")
-    return found
+    return require_drafter_folder(path, f"--draft {path}")
 
 
 def check_report_outputs(cfg: EvalConfig, draft_dir: Path) -> None:

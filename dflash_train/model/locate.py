@@ -57,3 +57,19 @@ def find_drafter_folder(path: str | Path) -> Path | None:
     if is_complete_checkpoint(path):
         return path
     return newest_run_checkpoint(path)
+
+
+def require_drafter_folder(path: str | Path, name: str | None = None) -> Path:
+    """`find_drafter_folder(path)`, or a CheckpointError that names `name` (the flag and value a user gave; default
+    the path) and says what to give instead."""
+    path = Path(path)
+    name = name or str(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{name}: no such folder; give a drafter checkpoint (speculators or z-lab) or a "
+                              "training run folder")
+    found = find_drafter_folder(path)
+    if found is None:
+        raise CheckpointError(f"{name}: no config.json with weights here, no final/ and no complete "
+                              "checkpoints/step-*/ folder; give a drafter checkpoint (speculators or z-lab) or a "
+                              "training run folder")
+    return found

@@ -79,9 +79,10 @@ def test_resolve_drafter_folder_and_trainer_outputs(tmp_path):
     _drafter_folder(run / "final")
     assert resolve_drafter_dir(run) == run / "final"
 
-    with pytest.raises(CheckpointError, match="no `final/` or `checkpoints/step-\\*/` drafter"):
+    with pytest.raises(CheckpointError, match="^--draft .*step-11: no config.json with weights here, no final/ and no "
+                                              "complete checkpoints/step-\\*/ folder; give a drafter checkpoint"):
         resolve_drafter_dir(tmp_path / "run" / "checkpoints" / "step-11")
-    with pytest.raises(CheckpointError, match="no such folder"):
+    with pytest.raises(CheckpointError, match="^--draft .*missing: no such folder"):
         resolve_drafter_dir(tmp_path / "missing")
 
 

@@ -65,7 +65,8 @@ def require_drafter_folder(path: str | Path, name: str | None = None) -> Path:
     path = Path(path)
     name = name or str(path)
     if not path.is_dir():
-        raise CheckpointError(f"{name}: no such folder; give a drafter checkpoint (speculators or z-lab) or a "
+        what = "a file, not a folder" if path.exists() else "no such folder"
+        raise CheckpointError(f"{name}: {what}; give a drafter checkpoint folder (speculators or z-lab) or a "
                               "training run folder")
     found = find_drafter_folder(path)
     if found is None:

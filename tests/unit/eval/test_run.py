@@ -84,6 +84,9 @@ def test_resolve_drafter_folder_and_trainer_outputs(tmp_path):
         resolve_drafter_dir(tmp_path / "run" / "checkpoints" / "step-11")
     with pytest.raises(CheckpointError, match="^--draft .*missing: no such folder"):
         resolve_drafter_dir(tmp_path / "missing")
+    with pytest.raises(CheckpointError, match="^--draft .*config.json: a file, not a folder; give a drafter checkpoint "
+                                              "folder"):
+        resolve_drafter_dir(plain / "config.json")
 
 
 def test_run_eval_refuses_a_too_large_block_before_loading(tmp_path):

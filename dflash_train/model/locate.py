@@ -64,13 +64,11 @@ def require_drafter_folder(path: str | Path, name: str | None = None) -> Path:
     the path) and says what to give instead."""
     path = Path(path)
     name = name or str(path)
+    give = "give a drafter checkpoint folder (speculators or z-lab) or a training run folder"
     if not path.is_dir():
-        what = "a file, not a folder" if path.exists() else "no such folder"
-        raise CheckpointError(f"{name}: {what}; give a drafter checkpoint folder (speculators or z-lab) or a "
-                              "training run folder")
+        raise CheckpointError(f"{name}: {'a file, not a folder' if path.exists() else 'no such folder'}; {give}")
     found = find_drafter_folder(path)
     if found is None:
         raise CheckpointError(f"{name}: no config.json with weights here, no final/ and no complete "
-                              "checkpoints/step-*/ folder; give a drafter checkpoint (speculators or z-lab) or a "
-                              "training run folder")
+                              f"checkpoints/step-*/ folder; {give}")
     return found

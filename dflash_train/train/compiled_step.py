@@ -17,13 +17,19 @@ graph only tensors whose sizes it may keep symbolic:
   graph's half-precision matmuls meet a few shapes (oneDNN builds a kernel per shape, inside a graph as outside),
   and row bucketing is off inside the graph (`row_buckets.compiles_per_shape`), whose padding would pin a size.
 
-So one graph serves a run's micro-batches (the packed tokens, the blocks, the runs and their span symbolic), plus
-the few that Inductor's own size thresholds split off. The loss, its gradient and the argmax are those of the
-eager step (`batches.microbatch_predictions`: tests/unit/train/test_compiled_step.py); the statistics are then
+So one graph serves a run's micro-batches (the packed tokens, the blocks, the runs and their span symbolic). Inductor's
+C++ code still specialises on one size threshold: a float sum over more than 4,096 elements takes a chunked
+accumulator, so a gradient summed over blocks x heads (RMSNorm weights) splits the graph where the block count
+crosses 4,096 / (slots x heads): 152 blocks in the CPU demo, whose micro-batches fall on both sides (96% above),
+and its second graph cost ~18 s of compiles. A micro-batch below such a threshold that the first graph lies above is
+padded up across it (`graph_blocks`) where that at most doubles its blocks. The loss, its gradient and the argmax
+are those of the eager step (`batches.microbatch_predictions`: tests/unit/train/test_compiled_step.py); the statistics are then
 taken eager from the argmax at the labelled slots. What this path does not take (`ineligible`) runs eager.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +45,7 @@ from dflash_train.train.head_epilogue import EXP_FLOOR
 from dflash_train.train.loss import BlockStats, block_stats
 
 KNOB = "objective.training_forward compiled"
+CPP_SUM_CHUNK = 4096  # Inductor's C++ float sums over more elements take a chunked accumulator (a guard on the size)
 MIN_RUNS = 2  # the grid's runs are padded to at least this many: a dimension of size 1 is specialised
 AUTO_MIN_STEPS = 1000  # `auto` compiles runs of this many steps or more
 
@@ -137,6 +144,28 @@ def padded_layout(layout: TrainLayout, features: torch.Tensor, blocks: int,
     return padded, F.pad(features, (0, 0, 0, pad_t))
 
 
+_first_blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the block count it compiled at
+
+
+def block_thresholds(model: DFlashDraftModel, width: int, depth: int) -> list[int]:
+    """Block counts at which a sum over blocks x (a slot and head count of the layers) crosses `CPP_SUM_CHUNK`: the
+    RMSNorm weights' gradients sum over every query slot and head (q_norm), every key slot and kv head (k_norm), every
+    slot (the layer norms). Each is a size at which Inductor's C++ graph is specialised on one side."""
+    attn = model.layers[0].self_attn
+    per_block = {s * h for s in (width, depth) for h in (1, attn.num_heads, attn.num_kv_heads)}
+    return sorted({CPP_SUM_CHUNK // m + 1 for m in per_block})
+
+
+def graph_blocks(n: int, first: int | None, thresholds: list[int]) -> int:
+    """The blocks a micro-batch of `n` is padded to: `row_buckets.rows(n)`, and where the graph was first compiled
+    at `first` blocks above a threshold that this count lies below, up across the highest such threshold, if that at
+    most doubles it (the graph it would otherwise compile costs ~18 s on 2 cores, ~150 of the demo's steps)."""
+    n_pad = row_buckets.rows(n)
+    crossed = [t for t in thresholds if n_pad < t <= (first or 0)]
+    lifted = row_buckets.rows(crossed[-1]) if crossed else n_pad  # <= first: a bucket at least the threshold
+    return lifted if lifted <= 2 * n_pad else n_pad
+
+
 def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_weighting: bool = False,
                     prefix_smoothing: float | None = None, kl_temperature: float = 1.0,
                     compile: bool = True) -> tuple[torch.Tensor, BlockStats]:
@@ -148,8 +177,11 @@ def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_wei
         return batches.microbatch_loss(model, mb)
     host_index = mb.valid.flatten().nonzero().squeeze(1)  # the labelled slots' flat positions in [N, width]
     index = to_device(host_index, device)
-    n_pad = row_buckets.rows(n)  # blocks added (weight 0) so that the matmuls meet a few row counts
     depth = width - 1 if mb.trained_slots is None else mb.trained_slots  # the predicted slots the graph computes
+    n_pad = row_buckets.rows(n)  # blocks added (weight 0) so that the matmuls meet a few row counts
+    if compile and device.type == "cpu":  # and stay on the first graph's side of Inductor's C++ thresholds
+        n_pad = graph_blocks(n, _first_blocks.get(model), block_thresholds(model, width, depth))
+        _first_blocks.setdefault(model, n_pad)
     slots = n_pad * depth
     slot_rows = to_device(batches.predicted_rows(host_index, width, depth), device)  # in [N, depth]
     labels_m, w_m, keep_m, target = batches.slot_targets(model, mb, index, loss=loss, kl_temperature=kl_temperature)

@@ -17,13 +17,14 @@ graph only tensors whose sizes it may keep symbolic:
   graph's half-precision matmuls meet a few shapes (oneDNN builds a kernel per shape, inside a graph as outside),
   and row bucketing is off inside the graph (`row_buckets.compiles_per_shape`), whose padding would pin a size.
 
-So one graph serves a run's micro-batches (the packed tokens, the blocks, the runs and their span symbolic). Inductor's
-C++ code still specialises on one size threshold: a float sum over more than 4,096 elements takes a chunked
-accumulator, so a gradient summed over blocks x heads (RMSNorm weights) splits the graph where the block count
-crosses 4,096 / (slots x heads): 152 blocks in the CPU demo, whose micro-batches fall on both sides (96% above),
-and its second graph cost ~18 s of compiles. A micro-batch below such a threshold that the first graph lies above is
-padded up across it (`graph_blocks`) where that at most doubles its blocks. The loss, its gradient and the argmax
-are those of the eager step (`batches.microbatch_predictions`: tests/unit/train/test_compiled_step.py); the statistics are then
+So one graph serves a run's micro-batches (the packed tokens, the blocks, the runs and their span symbolic), but for
+the size thresholds of Inductor's C++ code: a float sum over more than 4,096 elements takes a chunked accumulator, so
+a gradient summed over blocks x heads (the RMSNorm weights') splits the graph where the block count crosses 4,096 /
+(slots x heads). In the CPU demo: 152 blocks (96% of the micro-batches above, the rest and an epoch's last below)
+and 342 (a few above), each second graph ~20 s of compiles on 2 cores. A micro-batch below such a threshold that the
+first graph lies above is padded up across it (`graph_blocks`); one above it compiles its own. The loss, its
+gradient and the argmax are those of the eager step (`batches.microbatch_predictions`:
+tests/unit/train/test_compiled_step.py); the statistics are then
 taken eager from the argmax at the labelled slots. What this path does not take (`ineligible`) runs eager.
 """
 
@@ -158,12 +159,12 @@ def block_thresholds(model: DFlashDraftModel, width: int, depth: int) -> list[in
 
 def graph_blocks(n: int, first: int | None, thresholds: list[int]) -> int:
     """The blocks a micro-batch of `n` is padded to: `row_buckets.rows(n)`, and where the graph was first compiled
-    at `first` blocks above a threshold that this count lies below, up across the highest such threshold, if that at
-    most doubles it (the graph it would otherwise compile costs ~18 s on 2 cores, ~150 of the demo's steps)."""
+    at `first` blocks, above a threshold that this count lies below, up across the highest such threshold: never more
+    blocks than the first micro-batch had, and no second graph (~20 s of compiles on 2 cores, ~200 of the demo's
+    steps). Above the first graph's side of a threshold nothing can be done: such a micro-batch compiles its graph."""
     n_pad = row_buckets.rows(n)
     crossed = [t for t in thresholds if n_pad < t <= (first or 0)]
-    lifted = row_buckets.rows(crossed[-1]) if crossed else n_pad  # <= first: a bucket at least the threshold
-    return lifted if lifted <= 2 * n_pad else n_pad
+    return row_buckets.rows(crossed[-1]) if crossed else n_pad  # <= first: a bucket at least the threshold
 
 
 def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_weighting: bool = False,

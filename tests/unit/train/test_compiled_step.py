@@ -148,14 +148,15 @@ def test_one_graph_serves_micro_batches_of_changing_sizes_and_computes_the_eager
     assert "training forward" not in compiled.fallbacks
 
 
-def test_blocks_below_a_threshold_the_graph_lies_above_are_lifted_across_it_where_that_at_most_doubles_them():
+def test_blocks_below_a_threshold_the_graph_lies_above_are_lifted_across_it():
     """`graph_blocks`: row buckets alone before the first graph and on its side of every threshold; across the
-    highest threshold between a micro-batch and the first graph's count, unless that more than doubles its blocks."""
+    highest threshold between a micro-batch and the first graph's count (never past that count)."""
     t = [152, 342]
     assert compiled_step.graph_blocks(130, None, t) == rows(130) == 144  # no graph yet: buckets alone
     assert compiled_step.graph_blocks(130, 224, t) == rows(152) == 160  # the demo's case: lifted across 152
     assert compiled_step.graph_blocks(130, 400, [152, 200]) == rows(200) == 208  # across both, to the highest
-    assert compiled_step.graph_blocks(60, 224, t) == 64  # 160 would be 2.5x its blocks: its own graph instead
+    assert compiled_step.graph_blocks(20, 224, t) == 160  # an epoch's last, small micro-batch: no graph of its own
+    assert compiled_step.graph_blocks(130, 144, t) == 144  # the first graph below the threshold too: as it is
     assert compiled_step.graph_blocks(300, 224, t) == rows(300)  # above the first graph's count: as it is
     model = tiny_model(layers=1)  # 4 heads, 2 kv heads; B = 4, 3 predicted slots
     assert compiled_step.block_thresholds(model, 4, 3) == sorted({4096 // m + 1 for m in (4, 16, 8, 3, 12, 6)})

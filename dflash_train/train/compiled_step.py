@@ -21,9 +21,9 @@ So one graph serves a run's micro-batches (the packed tokens, the blocks, the ru
 the size thresholds of Inductor's C++ code: a float sum over more than 4,096 elements takes a chunked accumulator, so
 a gradient summed over blocks x heads (the RMSNorm weights') splits the graph where the block count crosses 4,096 /
 (slots x heads). In the CPU demo: 152 blocks (96% of the micro-batches above, the rest and an epoch's last below)
-and 342 (a few above), each second graph ~20 s of compiles on 2 cores. A micro-batch below such a threshold that the
-first graph lies above is padded up across it (`graph_blocks`); one above it compiles its own. The loss, its
-gradient and the argmax are those of the eager step (`batches.microbatch_predictions`:
+and 342 (a few above), each second graph ~20 s of compiles on 2 cores. While they stay rare, a micro-batch below
+such a threshold that the first graph lies above is padded up across it, and one above runs eager (`GraphSides`).
+The loss, its gradient and the argmax are those of the eager step (`batches.microbatch_predictions`:
 tests/unit/train/test_compiled_step.py); the statistics are then
 taken eager from the argmax at the labelled slots. What this path does not take (`ineligible`) runs eager.
 """
@@ -145,9 +145,6 @@ def padded_layout(layout: TrainLayout, features: torch.Tensor, blocks: int,
     return padded, F.pad(features, (0, 0, 0, pad_t))
 
 
-_first_blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the block count it compiled at
-
-
 def block_thresholds(model: DFlashDraftModel, width: int, depth: int) -> list[int]:
     """Block counts at which a sum over blocks x (a slot and head count of the layers) crosses `CPP_SUM_CHUNK`: the
     RMSNorm weights' gradients sum over every query slot and head (q_norm), every key slot and kv head (k_norm), every
@@ -157,14 +154,41 @@ def block_thresholds(model: DFlashDraftModel, width: int, depth: int) -> list[in
     return sorted({CPP_SUM_CHUNK // m + 1 for m in per_block})
 
 
-def graph_blocks(n: int, first: int | None, thresholds: list[int]) -> int:
-    """The blocks a micro-batch of `n` is padded to: `row_buckets.rows(n)`, and where the graph was first compiled
-    at `first` blocks, above a threshold that this count lies below, up across the highest such threshold: never more
-    blocks than the first micro-batch had, and no second graph (~20 s of compiles on 2 cores, ~200 of the demo's
-    steps). Above the first graph's side of a threshold nothing can be done: such a micro-batch compiles its graph."""
-    n_pad = row_buckets.rows(n)
-    crossed = [t for t in thresholds if n_pad < t <= (first or 0)]
-    return row_buckets.rows(crossed[-1]) if crossed else n_pad  # <= first: a bucket at least the threshold
+class GraphSides:
+    """Which side of each threshold (`block_thresholds`) the compiled graphs of one drafter were made for, and what a
+    micro-batch on another side does instead of compiling a graph of its own (~20 s on 2 cores, ~200 of the demo's
+    steps): one below the first graph's count is padded up to it (`blocks`); one above runs `forward_loss` eager. Both
+    only while such micro-batches stay rare (at most `OFF_SHARE` of those seen, and 2 more): where they are common,
+    a graph for their side pays for itself, and the next one compiles it."""
+
+    OFF_SHARE = 0.1
+
+    def __init__(self, thresholds: list[int]):
+        self.thresholds, self.first, self.sides = thresholds, None, set()
+        self.seen = self.off = 0
+
+    def side(self, blocks: int) -> tuple[bool, ...]:
+        return tuple(blocks >= t for t in self.thresholds)
+
+    def blocks(self, n: int) -> tuple[int, bool]:
+        """(the blocks a micro-batch of `n` is padded to, whether it runs compiled)."""
+        n_pad = row_buckets.rows(n)
+        if self.first is None:
+            self.first = n_pad
+        self.seen += 1
+        if self.side(n_pad) in self.sides or not self.sides:
+            self.sides.add(self.side(n_pad))
+            return n_pad, True
+        if self.off >= self.OFF_SHARE * self.seen + 2:  # common: compile this side
+            self.sides.add(self.side(n_pad))
+            return n_pad, True
+        self.off += 1
+        if n_pad < self.first:  # up across the thresholds between it and the first graph: its side, never more blocks
+            return row_buckets.rows(max(t for t in self.thresholds if n_pad < t <= self.first)), True
+        return n_pad, False
+
+
+_sides: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its GraphSides
 
 
 def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_weighting: bool = False,
@@ -180,9 +204,9 @@ def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_wei
     index = to_device(host_index, device)
     depth = width - 1 if mb.trained_slots is None else mb.trained_slots  # the predicted slots the graph computes
     n_pad = row_buckets.rows(n)  # blocks added (weight 0) so that the matmuls meet a few row counts
-    if compile and device.type == "cpu":  # and stay on the first graph's side of Inductor's C++ thresholds
-        n_pad = graph_blocks(n, _first_blocks.get(model), block_thresholds(model, width, depth))
-        _first_blocks.setdefault(model, n_pad)
+    if compile and device.type == "cpu":  # and the few sides of Inductor's C++ thresholds already compiled
+        sides = _sides.setdefault(model, GraphSides(block_thresholds(model, width, depth)))
+        n_pad, compile = sides.blocks(n)
     slots = n_pad * depth
     slot_rows = to_device(batches.predicted_rows(host_index, width, depth), device)  # in [N, depth]
     labels_m, w_m, keep_m, target = batches.slot_targets(model, mb, index, loss=loss, kl_temperature=kl_temperature)

@@ -123,19 +123,19 @@ def test_padding_blocks_and_tokens_changes_nothing_the_real_blocks_see():
 
 def test_one_graph_serves_micro_batches_of_changing_sizes_and_computes_the_eager_step():
     """Compiled (Inductor, bf16 autocast as the CPU demo runs it): micro-batches of other documents, block counts
-    and token counts reuse one graph, also where the blocks fall on both sides of the size at which Inductor's C++
-    sums specialise (342 blocks for this drafter's 4 heads x 3 slots: the second batch is lifted across it), and each
-    step's loss and gradients are the eager step's to bf16 rounding."""
+    and token counts reuse one graph, also where the blocks fall on either side of the sizes at which Inductor's C++
+    sums specialise (257, 342 and 513 blocks for this drafter: the micro-batch of 240 is padded up across the first
+    two, the one of 520 runs eager), and each step's loss and gradients are the eager step's to bf16 rounding."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     model = tiny_model(layers=1)
-    assert 342 in compiled_step.block_thresholds(model, 4, 3)  # 4096 // (4 heads x 3 slots) + 1
+    assert compiled_step.block_thresholds(model, 4, 3)[:3] == [257, 342, 513]
     batches = [_batch(lengths, seed=i, anchors=a) for i, (lengths, a) in
-               enumerate([([30] * 50, 8), ([30] * 30, 8), ([33, 35, 30, 41, 20] * 8, 5), ([44, 31] * 25, 4)])]
-    assert len({(mb.anchors.numel(), mb.packed.input_ids.numel()) for mb in batches}) == 4
-    assert [mb.anchors.numel() > 342 for mb in batches] == [True, False, False, False]
+               enumerate([([30] * 50, 8), ([30] * 30, 8), ([33, 28, 30, 41, 48] * 9, 8), ([30] * 65, 8)])]
+    assert [mb.anchors.numel() for mb in batches] == [400, 240, 360, 520]
+    assert len({mb.packed.input_ids.numel() for mb in batches}) == 4
     assert all(mb.packed.input_ids.numel() <= 2048 for mb in batches)  # a sum over tokens x 2 kv heads stays below
     for mb in batches:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -148,16 +148,22 @@ def test_one_graph_serves_micro_batches_of_changing_sizes_and_computes_the_eager
     assert "training forward" not in compiled.fallbacks
 
 
-def test_blocks_below_a_threshold_the_graph_lies_above_are_lifted_across_it():
-    """`graph_blocks`: row buckets alone before the first graph and on its side of every threshold; across the
-    highest threshold between a micro-batch and the first graph's count (never past that count)."""
-    t = [152, 342]
-    assert compiled_step.graph_blocks(130, None, t) == rows(130) == 144  # no graph yet: buckets alone
-    assert compiled_step.graph_blocks(130, 224, t) == rows(152) == 160  # the demo's case: lifted across 152
-    assert compiled_step.graph_blocks(130, 400, [152, 200]) == rows(200) == 208  # across both, to the highest
-    assert compiled_step.graph_blocks(20, 224, t) == 160  # an epoch's last, small micro-batch: no graph of its own
-    assert compiled_step.graph_blocks(130, 144, t) == 144  # the first graph below the threshold too: as it is
-    assert compiled_step.graph_blocks(300, 224, t) == rows(300)  # above the first graph's count: as it is
+def test_micro_batches_off_the_first_graphs_side_are_padded_or_run_eager_while_they_stay_rare():
+    """`GraphSides`: the first micro-batch's side compiles; one below a threshold the first lies above is padded up
+    across the highest such threshold (its side, never past the first's blocks), one above runs eager; once more
+    than a tenth of the micro-batches (and 2) fell off its side, the next one compiles a graph for its side."""
+    sides = compiled_step.GraphSides([152, 342])
+    assert sides.blocks(224) == (224, True)  # the first: compiled
+    assert sides.blocks(250) == (256, True)  # the same side
+    assert sides.blocks(130) == (rows(152), True) == (160, True)  # the demo's case: padded across 152
+    assert sides.blocks(20) == (160, True)  # an epoch's last, small micro-batch: no graph of its own either
+    assert sides.blocks(350) == (rows(350), False)  # above 342, which the first lies below: eager
+    assert sides.off == 3 and sides.seen == 5
+    assert sides.blocks(130) == (144, True)  # a fourth off its side in 6: common, its graph compiles
+    assert sides.blocks(140) == (144, True)  # and serves it from then on
+    across = compiled_step.GraphSides([152, 200])
+    across.blocks(400)
+    assert across.blocks(130) == (rows(200), True) == (208, True)  # across both, to the highest
     model = tiny_model(layers=1)  # 4 heads, 2 kv heads; B = 4, 3 predicted slots
     assert compiled_step.block_thresholds(model, 4, 3) == sorted({4096 // m + 1 for m in (4, 16, 8, 3, 12, 6)})
 

@@ -173,14 +173,11 @@ class GraphSides:
     def blocks(self, n: int) -> tuple[int, bool]:
         """(the blocks a micro-batch of `n` is padded to, whether it runs compiled)."""
         n_pad = row_buckets.rows(n)
-        if self.first is None:
-            self.first = n_pad
+        side = self.side(n_pad)
+        self.first = n_pad if self.first is None else self.first
         self.seen += 1
-        if self.side(n_pad) in self.sides or not self.sides:
-            self.sides.add(self.side(n_pad))
-            return n_pad, True
-        if self.off >= self.OFF_SHARE * self.seen + 2:  # common: compile this side
-            self.sides.add(self.side(n_pad))
+        if not self.sides or side in self.sides or self.off >= self.OFF_SHARE * self.seen + 2:  # (common: compile it)
+            self.sides.add(side)
             return n_pad, True
         self.off += 1
         if n_pad < self.first:  # up across the thresholds between it and the first graph: its side, never more blocks
@@ -205,8 +202,9 @@ def microbatch_loss(model: DFlashDraftModel, mb, *, loss: str = "ce", prefix_wei
     depth = width - 1 if mb.trained_slots is None else mb.trained_slots  # the predicted slots the graph computes
     n_pad = row_buckets.rows(n)  # blocks added (weight 0) so that the matmuls meet a few row counts
     if compile and device.type == "cpu":  # and the few sides of Inductor's C++ thresholds already compiled
-        sides = _sides.setdefault(model, GraphSides(block_thresholds(model, width, depth)))
-        n_pad, compile = sides.blocks(n)
+        if model not in _sides:  # built once: setdefault would rebuild its argument every micro-batch
+            _sides[model] = GraphSides(block_thresholds(model, width, depth))
+        n_pad, compile = _sides[model].blocks(n)
     slots = n_pad * depth
     slot_rows = to_device(batches.predicted_rows(host_index, width, depth), device)  # in [N, depth]
     labels_m, w_m, keep_m, target = batches.slot_targets(model, mb, index, loss=loss, kl_temperature=kl_temperature)
